@@ -1,0 +1,29 @@
+"""remat: train PyTorch models whose activations do not fit in memory.
+
+For each tensor autograd saves for backward, remat keeps it, or drops it and rebuilds it in
+backward, with gradients bit-identical to a plain run.
+"""
+
+from ._state import disable_checkpointing as disable_checkpointing
+from ._state import is_checkpointing as is_checkpointing
+from ._state import is_recomputing as is_recomputing
+from .checkpoint import checkpoint as checkpoint
+from .errors import CheckpointError as CheckpointError
+from .errors import RematError as RematError
+from .modules import apply as apply
+from .modules import checkpoint_sequential as checkpoint_sequential
+from .modules import checkpoint_wrapper as checkpoint_wrapper
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "RematError",
+    "apply",
+    "checkpoint",
+    "checkpoint_sequential",
+    "checkpoint_wrapper",
+    "disable_checkpointing",
+    "is_checkpointing",
+    "is_recomputing",
+]

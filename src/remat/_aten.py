@@ -1,0 +1,61 @@
+"""Facts about ATen operators that remat's engines need, read from their schemas and cached.
+
+For each operator overload: which arguments it writes, and which of its results are new tensors
+rather than views or aliases of an argument. Schemas mark writes with ``(a!)``; a few operators
+write without saying so and are listed in :data:`UNDECLARED_WRITES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__: list[str] = []
+
+aten = torch.ops.aten
+
+# These batch-norm kernels update ``running_mean`` and ``running_var`` in place when
+# ``training`` is true, but their schemas do not mark the two arguments as written.
+UNDECLARED_WRITES: dict[str, tuple[str, ...]] = {
+    "aten::native_batch_norm": ("running_mean", "running_var"),
+    "aten::cudnn_batch_norm": ("running_mean", "running_var"),
+    "aten::miopen_batch_norm": ("running_mean", "running_var"),
+}
+
+# Results that alias an argument but are new to the program: ``lift_fresh`` returns the tensor
+# that ``torch.tensor(data)`` built from Python data outside the dispatcher.
+FRESH_ALIASES = frozenset({"aten::lift_fresh"})
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What an operator overload writes and creates."""
+
+    # (position, name) of every argument the operator may write.
+    writes: tuple[tuple[int, str], ...]
+    # For each result, whether it is a new tensor (not an alias of an argument).
+    fresh: tuple[bool, ...]
+
+
+_cache: dict[torch._ops.OpOverload, OpInfo] = {}
+
+
+def op_info(op: torch._ops.OpOverload) -> OpInfo:
+    info = _cache.get(op)
+    if info is None:
+        info = _cache[op] = _read_schema(op)
+    return info
+
+
+def _read_schema(op: torch._ops.OpOverload) -> OpInfo:
+    schema = op._schema
+    undeclared = UNDECLARED_WRITES.get(schema.name, ())
+    writes = tuple(
+        (i, arg.name)
+        for i, arg in enumerate(schema.arguments)
+        if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name in undeclared
+    )
+    fresh_alias = schema.name in FRESH_ALIASES
+    fresh = tuple(ret.alias_info is None or fresh_alias for ret in schema.returns)
+    return OpInfo(writes, fresh)

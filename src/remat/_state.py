@@ -1,0 +1,82 @@
+"""Thread-local flags that say whether code runs inside a checkpointed region.
+
+Each flag lives in a :class:`threading.local`, so two threads training side by side never see
+each other's regions, and each is set by a context manager that restores the previous value in
+``finally``, so an exception escaping a region leaves the flags as they were.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["disable_checkpointing", "is_checkpointing", "is_recomputing"]
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.checkpointing = False
+        self.recomputing = False
+        self.disabled = False
+        self.early_stop = True
+
+
+state = _State()
+
+
+def is_checkpointing() -> bool:
+    """Whether the calling code runs in the forward pass of a checkpointed region.
+
+    It is ``False`` while a region is being recomputed in backward (see :func:`is_recomputing`)
+    and outside every region.
+    """
+    return state.checkpointing
+
+
+def is_recomputing() -> bool:
+    """Whether the calling code is being re-run in backward to rebuild dropped tensors.
+
+    Use it to keep side effects from happening twice::
+
+        class Counter(nn.Module):
+            def forward(self, x):
+                if not remat.is_recomputing():
+                    self.calls += 1
+                return x
+    """
+    return state.recomputing
+
+
+@contextmanager
+def disable_checkpointing() -> Iterator[None]:
+    """Run every region entered inside this block plainly: nothing dropped, nothing recomputed.
+
+    Useful for evaluation with gradients, or to compare against a plain run of the same code.
+    """
+    previous = state.disabled
+    state.disabled = True
+    try:
+        yield
+    finally:
+        state.disabled = previous
+
+
+@contextmanager
+def checkpointing(value: bool = True) -> Iterator[None]:
+    previous = state.checkpointing
+    state.checkpointing = value
+    try:
+        yield
+    finally:
+        state.checkpointing = previous
+
+
+@contextmanager
+def recomputing() -> Iterator[None]:
+    previous = (state.checkpointing, state.recomputing)
+    state.checkpointing, state.recomputing = False, True
+    try:
+        yield
+    finally:
+        state.checkpointing, state.recomputing = previous

@@ -1,0 +1,461 @@
+"""The region engine: drop what a function saves for backward, and re-run it to rebuild it.
+
+``checkpoint(fn, *args)`` runs ``fn`` with saved-tensor hooks that keep, for each tensor
+autograd wants to save, a small slot instead of the tensor. When backward first needs one of
+them, the whole function runs again under the state the forward pass saw (random generators,
+autocast, default device), the recompute fills the slots, and each tensor is handed to autograd
+once. This is the design of ``torch.utils.checkpoint(use_reentrant=False)``, with three
+differences: module state is never written twice (see ``_guard.py``), the random state of every
+accelerator the region uses is replayed, and the recompute stops right after the last tensor that
+is still needed, not after the last tensor ever saved.
+
+NOTE [ Life of a saved tensor in a region ]
+
+Events in order, for a tensor ``t`` that an op inside region R saves for backward:
+
+1. forward, R's pack hook: autograd gets ``slot = _Slot(index=i)``; R's frame keeps a weak
+   reference to the slot and, for the determinism check, ``t``'s shape, dtype and device.
+   ``t`` itself is not referenced by remat and is freed as soon as the forward pass drops it.
+2. backward asks for any slot of R for the first time in graph task ``g``: R's frame unpacks
+   its inputs (which may recompute an enclosing region first, see Rule 2 of the nesting note)
+   and re-runs ``fn``. The recompute's pack hook sees the same saves in the same order; the
+   i-th is stored for slot i in ``recomputed[g]`` if slot i is still alive.
+3. the recompute stops by raising ``_StopRecompute`` right after the highest slot index that is
+   still alive (early stop), or runs to the end with ``early_stop=False``.
+4. autograd unpacks slot i in task ``g``: the stored tensor is popped and returned, so the frame
+   holds it no longer than autograd does (even with ``retain_graph=True``).
+5. a slot that backward never unpacks (partial backward) dies with its graph node; its stored
+   tensor goes with it, since ``recomputed[g]`` is keyed weakly on slots.
+6. another backward over the same graph (``retain_graph=True``) is a new task ``g'``: step 2
+   runs again.
+
+NOTE [ Nested regions ]
+
+Rule 1. A tensor is managed by the innermost region that is active when it is saved.
+Rule 2. A region's inputs are saved, through ``_SaveInputs``, by the region around it; so
+        rebuilding an inner region's inputs recomputes the outer region first.
+Rule 3. A recompute starts as if no region were active; regions it meets are honoured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _state
+from ._ambient import Ambient
+from ._guard import WriteGuard
+from ._types import ContextFn
+from .errors import CheckpointError, RematError, did_you_mean
+
+__all__ = ["RegionOptions", "checkpoint"]
+
+DeterminismCheck = Literal["default", "none"]
+_DETERMINISM_CHECKS = ("default", "none")
+
+_USUAL_CAUSES = (
+    "Usual causes: the function reads global or Python-level state that changed between "
+    "forward and backward (a flag, a cache, Python's `random`), takes a different branch the "
+    "second time, a module switched between train() and eval(), or preserve_rng_state=False "
+    "with random ops inside. Pass debug=True to see the operators of both runs."
+)
+
+# Graph-task ids for unpacks that happen outside any backward (e.g. reading `grad_fn._saved_*`).
+_outside_backward = itertools.count(-2, -1)
+
+
+class _StopRecompute(BaseException):
+    """Raised from the recompute's pack hook once every needed tensor is rebuilt.
+
+    A ``BaseException`` so that ``except Exception`` in user code does not swallow it.
+    """
+
+
+class _Slot:
+    """What autograd holds in place of a tensor saved inside a region."""
+
+    __slots__ = ("__weakref__", "index")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+@dataclass(frozen=True)
+class _Meta:
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Meta:
+        return cls(t.shape, t.dtype, t.device)
+
+    def __str__(self) -> str:
+        return f"shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}"
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves a region's tensor inputs so that an enclosing region manages them (Rule 2)."""
+
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return dummy.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise AssertionError("remat: the input saver of a region is never differentiated")
+
+
+class _OpLog(TorchDispatchMode):
+    """Records the operators a run executes, for ``debug=True``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Frame:
+    """One forward run of one region, and what its recomputes rebuilt.
+
+    Held by the graph only (through the hooks stored with each slot), so it lives exactly as
+    long as the part of the graph that may still need it.
+    """
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        flat_args: list[Any],
+        spec: pytree.TreeSpec,
+        ambient: Ambient,
+        recompute_context: contextlib.AbstractContextManager[Any],
+        early_stop: bool,
+        check: bool,
+        debug: bool,
+    ) -> None:
+        self.function = function
+        self.spec = spec
+        # Non-tensor leaves of (args, kwargs); tensors are None here and live in `input_node`.
+        self.leaves = [None if isinstance(v, torch.Tensor) else v for v in flat_args]
+        self.ambient = ambient
+        self.recompute_context = recompute_context
+        self.early_stop = early_stop
+        self.check = check
+        self.input_node: Any = None
+        self.slots: list[weakref.ref[_Slot]] = []
+        self.metas: list[_Meta] = []
+        self.recomputed: dict[int, weakref.WeakKeyDictionary[_Slot, torch.Tensor]] = {}
+        self.forward_ops: list[str] | None = [] if debug else None
+        self.recomputes = 0
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> _Slot:
+        slot = _Slot(len(self.slots))
+        self.slots.append(weakref.ref(slot))
+        if self.check:
+            self.metas.append(_Meta.of(t))
+        return slot
+
+    # -- backward --------------------------------------------------------------------------
+
+    def unpack(self, slot: _Slot) -> torch.Tensor:
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            task = next(_outside_backward)
+        store = self.recomputed.get(task)
+        if store is None:
+            store = self._recompute(task)
+        t = store.pop(slot, None)
+        if t is None:
+            raise CheckpointError(
+                f"remat: saved tensor {slot.index} of a checkpointed region was requested twice "
+                "in one backward pass; each saved tensor can be read once per backward. If a "
+                "custom autograd.Function reads ctx.saved_tensors twice in its backward, read "
+                "them once into local variables."
+            )
+        return t
+
+    def _inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        tensors = iter(self.input_node.saved_tensors)
+        flat = [next(tensors) if v is None else v for v in self.leaves]
+        args, kwargs = pytree.tree_unflatten(flat, self.spec)
+        return args, kwargs
+
+    def _recompute(self, task: int) -> weakref.WeakKeyDictionary[_Slot, torch.Tensor]:
+        store: weakref.WeakKeyDictionary[_Slot, torch.Tensor] = weakref.WeakKeyDictionary()
+        alive = [i for i, ref in enumerate(self.slots) if ref() is not None]
+        if not alive:
+            return store
+        last_needed = alive[-1] if self.early_stop else len(self.slots) - 1
+        args, kwargs = self._inputs()
+        count = 0
+        mismatches: list[str] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal count
+            index = count
+            count += 1
+            if index < len(self.slots):
+                if self.check and _Meta.of(t) != self.metas[index]:
+                    mismatches.append(
+                        f"  saved tensor {index}: forward {self.metas[index]}, "
+                        f"recompute {_Meta.of(t)}"
+                    )
+                slot = self.slots[index]()
+                if slot is not None:
+                    store[slot] = t.detach()
+                if self.early_stop and index == last_needed:
+                    raise _StopRecompute
+            # Saved for the recompute's own graph, which backward inside the function uses.
+            return t.detach()
+
+        log = _OpLog() if self.forward_ops is not None else None
+        self.recomputes += 1
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(_state.recomputing())
+                stack.enter_context(self.ambient.replay())
+                stack.enter_context(WriteGuard())
+                stack.enter_context(self.recompute_context)
+                if log is not None:
+                    stack.enter_context(log)
+                self.function(*args, **kwargs)
+        except _StopRecompute:
+            pass
+        except Exception as error:
+            if mismatches:
+                raise CheckpointError(self._mismatch_message(mismatches, count, log)) from error
+            raise
+        if mismatches or count < last_needed + 1:
+            raise CheckpointError(self._mismatch_message(mismatches, count, log))
+        self.recomputed[task] = store
+        return store
+
+    def _mismatch_message(self, mismatches: list[str], count: int, log: _OpLog | None) -> str:
+        lines = ["remat: the recompute of a checkpointed region differs from its forward pass."]
+        if count < len(self.slots) and not mismatches:
+            lines.append(
+                f"  forward saved {len(self.slots)} tensors; the recompute saved only {count}."
+            )
+        lines.extend(mismatches)
+        lines.append(_USUAL_CAUSES)
+        if log is not None and self.forward_ops is not None:
+            lines.append(_op_diff(self.forward_ops, log.ops))
+        return "\n".join(lines)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _op_diff(forward: list[str], recompute: list[str]) -> str:
+    first = next(
+        (i for i, (a, b) in enumerate(zip(forward, recompute)) if a != b),
+        min(len(forward), len(recompute)),
+    )
+    lo = max(0, first - 3)
+    lines = [f"Operators from #{lo} (first difference at #{first}):"]
+    for i in range(lo, first + 4):
+        a = forward[i] if i < len(forward) else "-"
+        b = recompute[i] if i < len(recompute) else "-"
+        lines.append(f"  #{i:<5} forward {a:<40} recompute {b}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RegionOptions:
+    """The options of a region, validated once (see :func:`checkpoint` for their meaning)."""
+
+    preserve_rng_state: bool = True
+    context_fn: ContextFn | None = None
+    determinism_check: DeterminismCheck = "default"
+    early_stop: bool = True
+    debug: bool = False
+
+    @classmethod
+    def parse(cls, caller: str, options: dict[str, Any]) -> RegionOptions:
+        """Options from keyword arguments, raising a :class:`RematError` for any bad one."""
+        names = tuple(f.name for f in fields(cls)) + ("use_reentrant",)
+        unknown = [k for k in options if k not in names]
+        if unknown:
+            raise RematError(
+                f"{caller}: unknown option {unknown[0]!r}{did_you_mean(unknown[0], names)}; "
+                f"expected any of: {', '.join(names)}."
+            )
+        use_reentrant = options.pop("use_reentrant", None)
+        if use_reentrant is not None and use_reentrant is not False:
+            raise RematError(
+                f"{caller}: use_reentrant={use_reentrant!r} is not supported; remat's region "
+                "engine is always non-reentrant. Drop the argument."
+            )
+        self = cls(**options)
+        for name in ("preserve_rng_state", "early_stop", "debug"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise RematError(
+                    f"{caller}: {name} must be True or False, got {value!r} "
+                    f"({type(value).__name__})."
+                )
+        if self.context_fn is not None and not callable(self.context_fn):
+            raise RematError(
+                f"{caller}: context_fn must be a callable returning two context managers "
+                f"(forward, recompute), got {type(self.context_fn).__name__}."
+            )
+        if self.determinism_check not in _DETERMINISM_CHECKS:
+            raise RematError(
+                f"{caller}: determinism_check must be one of {_DETERMINISM_CHECKS}, got "
+                f"{self.determinism_check!r}."
+            )
+        return self
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    preserve_rng_state: bool = True,
+    context_fn: ContextFn | None = None,
+    determinism_check: DeterminismCheck = "default",
+    early_stop: bool = True,
+    debug: bool = False,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``function(*args, **kwargs)`` without keeping what it saves for backward.
+
+    What autograd saves inside the function is dropped and rebuilt in backward by running the
+    function again, under the random state, autocast state and default device of the forward
+    pass. Gradients are bit-identical to a plain run with deterministic kernels. Writes that the
+    function makes to tensors outside it (BatchNorm running statistics, buffers, inputs) happen
+    once, in forward, never again in the recompute.
+
+    Args:
+        function: what to run. Inputs and outputs may be any nesting of tuples, lists, dicts
+            and non-tensor values.
+        *args, **kwargs: its inputs. Keywords other than the options below go to ``function``.
+        preserve_rng_state: replay the CPU and accelerator random generators in the recompute,
+            so that dropout draws the same mask. Turn off only if the function is not random.
+        context_fn: returns two context managers; the forward pass runs under the first and
+            the recompute under the second (the contract of ``torch.utils.checkpoint``, so
+            ``create_selective_checkpoint_contexts`` works).
+        determinism_check: ``"default"`` checks that the recompute rebuilds tensors of the same
+            shape, dtype and device as the forward pass saved and raises
+            :class:`~remat.CheckpointError` listing each one that differs; ``"none"`` skips it.
+        early_stop: stop the recompute as soon as every saved tensor that backward can still
+            ask for is rebuilt.
+        debug: record the operators of the forward pass and the recompute and show where they
+            diverge when the determinism check fails.
+        use_reentrant: accepted for drop-in use with ``torch.utils.checkpoint``; only ``False``
+            (or leaving it out) is allowed.
+
+    Under ``torch.no_grad()`` and inside :func:`~remat.disable_checkpointing` the function runs
+    plainly. See the notes [ Life of a saved tensor in a region ] and [ Nested regions ] in this
+    module for the rules it follows.
+    """
+    if not callable(function):
+        raise RematError(
+            f"remat.checkpoint: expected a callable as first argument, got "
+            f"{type(function).__name__}. Pass the function or module to run, then its inputs: "
+            "remat.checkpoint(block, x)."
+        )
+    options = RegionOptions.parse(
+        "remat.checkpoint",
+        {
+            "preserve_rng_state": preserve_rng_state,
+            "context_fn": context_fn,
+            "determinism_check": determinism_check,
+            "early_stop": early_stop,
+            "debug": debug,
+            "use_reentrant": use_reentrant,
+        },
+    )
+    return run_region(function, args, kwargs, options)
+
+
+def run_region(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: RegionOptions,
+    offload_inputs: bool = False,
+) -> Any:
+    """:func:`checkpoint` with validated options; ``offload_inputs`` keeps the region's inputs
+    in host memory until backward."""
+    if not torch.is_grad_enabled() or _state.state.disabled:
+        return function(*args, **kwargs)
+
+    flat_args, spec = pytree.tree_flatten((args, kwargs))
+    forward_context, recompute_context = (
+        options.context_fn()
+        if options.context_fn is not None
+        else (contextlib.nullcontext(), contextlib.nullcontext())
+    )
+    ambient = Ambient.capture(options.preserve_rng_state)
+    frame = _Frame(
+        function,
+        flat_args,
+        spec,
+        ambient,
+        recompute_context,
+        early_stop=options.early_stop,
+        check=options.determinism_check == "default",
+        debug=options.debug,
+    )
+    tensors = [v for v in flat_args if isinstance(v, torch.Tensor)]
+    dummy = torch.empty(0, requires_grad=True)
+    with _host_offload() if offload_inputs else contextlib.nullcontext():
+        frame.input_node = _SaveInputs.apply(dummy, *tensors).grad_fn
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack))
+        stack.enter_context(_state.checkpointing())
+        stack.enter_context(forward_context)
+        if frame.forward_ops is not None:
+            log = stack.enter_context(_OpLog())
+            frame.forward_ops = log.ops
+        out = function(*args, **kwargs)
+    ambient.check_forward_done()
+    return out
+
+
+def _host_offload() -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that keep accelerator tensors in pinned host memory until backward.
+
+    The device-to-host copy is asynchronous; the host-to-device copy back is queued on the
+    same stream, after it, so it never reads a half-written buffer.
+    """
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.device.type == "cpu":
+            return t
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return (t.device, host)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)  # type: ignore[no-any-return]
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -1,0 +1,26 @@
+"""The exceptions remat raises.
+
+Every error remat raises derives from :class:`RematError`, so a caller can catch them all at
+once. Messages start with ``remat:``, say what was expected and what was found, and end with
+how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError", "RematError"]
+
+
+class RematError(RuntimeError):
+    """Root of every error remat raises: bad arguments, infeasible requests, broken replays."""
+
+
+class CheckpointError(RematError):
+    """A recompute did not reproduce what the forward pass saved, or could not run."""
+
+
+def did_you_mean(found: str, choices: list[str] | tuple[str, ...]) -> str:
+    """A ``" (did you mean 'x'?)"`` suffix when *found* is close to one of *choices*."""
+    import difflib
+
+    close = difflib.get_close_matches(found, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,269 @@
+"""Apply the region engine to modules: one module, the submodules of a model, a sequence.
+
+:func:`checkpoint_wrapper` makes every call of a module a checkpointed region without changing
+the module's class, its ``state_dict`` keys or its parameter names: it sets an instance-level
+``forward`` that calls the class's ``forward`` inside :func:`~remat.checkpoint`. That object
+holds the module weakly, so the module and its wrapper form no reference cycle and the module is
+freed as soon as the last outside reference goes, without waiting for ``gc.collect()``.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeAlias
+
+import torch
+from torch import nn
+
+from .checkpoint import RegionOptions, run_region
+from .errors import RematError, did_you_mean
+
+__all__ = ["apply", "checkpoint_sequential", "checkpoint_wrapper"]
+
+Where: TypeAlias = (
+    "type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] "
+    "| Sequence[str]"
+)
+
+
+class _CheckpointedForward:
+    """The instance-level ``forward`` of a wrapped module."""
+
+    __slots__ = ("module_ref", "offload_to_cpu", "options")
+
+    def __init__(self, module: nn.Module, offload_to_cpu: bool, options: RegionOptions) -> None:
+        self.module_ref = weakref.ref(module)
+        self.offload_to_cpu = offload_to_cpu
+        self.options = options
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module_ref()
+        if module is None:
+            raise RematError("remat: the module of this checkpointed forward was freed.")
+        forward = types.MethodType(type(module).forward, module)
+        return run_region(_call, (forward, args, kwargs), {}, self.options, self.offload_to_cpu)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward:
+        # copy.deepcopy(model) copies the module before its __dict__, so the copy is in memo.
+        module = self.module_ref()
+        copy = memo.get(id(module))
+        if not isinstance(copy, nn.Module):
+            raise RematError(
+                "remat: a checkpointed forward can be deep-copied only together with its module; "
+                "deep-copy the module (or the model that contains it)."
+            )
+        return _CheckpointedForward(copy, self.offload_to_cpu, self.options)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickle by reference to the module; unpickling rebuilds the weak reference.
+        return (_rebind, (self.module_ref(), self.offload_to_cpu, self.options))
+
+
+def _rebind(module: nn.Module, offload_to_cpu: bool, options: RegionOptions) -> Any:
+    return _CheckpointedForward(module, offload_to_cpu, options)
+
+
+def _call(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return forward(*args, **kwargs)
+
+
+def checkpoint_wrapper(
+    module: nn.Module, *, offload_to_cpu: bool = False, **options: Any
+) -> nn.Module:
+    """Make every call of ``module`` a checkpointed region, in place, and return it.
+
+    The module keeps its class, its ``state_dict`` keys and its parameter names; keyword
+    arguments, non-tensor inputs and outputs pass through. Under ``torch.no_grad()`` it runs
+    plainly. Forward hooks registered on the module run outside the region, once.
+
+    Args:
+        module: the module to wrap.
+        offload_to_cpu: keep the region's inputs in host memory until backward (asynchronous
+            copies into pinned memory on accelerators; nothing to do for CPU tensors).
+        **options: options of :func:`~remat.checkpoint` (``preserve_rng_state``,
+            ``context_fn``, ``determinism_check``, ``early_stop``, ``debug``).
+    """
+    if not isinstance(module, nn.Module):
+        raise RematError(
+            f"remat.checkpoint_wrapper: expected an nn.Module, got {type(module).__name__}. "
+            "For a plain function use remat.checkpoint(fn, *inputs)."
+        )
+    if not isinstance(offload_to_cpu, bool):
+        raise RematError(
+            f"remat.checkpoint_wrapper: offload_to_cpu must be True or False, got "
+            f"{offload_to_cpu!r}."
+        )
+    parsed = RegionOptions.parse("remat.checkpoint_wrapper", options)
+    current = module.__dict__.get("forward")
+    if isinstance(current, _CheckpointedForward):
+        raise RematError(
+            f"remat.checkpoint_wrapper: this {type(module).__name__} is already checkpointed; "
+            "wrap each module once."
+        )
+    if current is not None:
+        raise RematError(
+            f"remat.checkpoint_wrapper: this {type(module).__name__} has an instance-level "
+            "forward (set by another wrapper or by assignment); remat wraps the class's forward. "
+            "Remove the instance attribute first (del module.forward)."
+        )
+    module.forward = _CheckpointedForward(module, offload_to_cpu, parsed)  # type: ignore[method-assign]
+    return module
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """Whether :func:`checkpoint_wrapper` has wrapped ``module``."""
+    return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
+
+
+def _matcher(where: Any, model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    if isinstance(where, type):
+        if not issubclass(where, nn.Module):
+            raise RematError(
+                f"remat.apply: where={where.__name__} is not an nn.Module class; pass a module "
+                "class, a tuple of classes, a predicate (name, module) -> bool or a list of "
+                "qualified names."
+            )
+        return lambda name, module: isinstance(module, where)
+    if isinstance(where, tuple) and where and all(isinstance(w, type) for w in where):
+        bad = [w.__name__ for w in where if not issubclass(w, nn.Module)]
+        if bad:
+            raise RematError(f"remat.apply: where holds classes that are not modules: {bad}.")
+        return lambda name, module: isinstance(module, where)
+    if isinstance(where, (list, tuple)) and all(isinstance(w, str) for w in where):
+        names = dict(model.named_modules())
+        unknown = [w for w in where if w not in names]
+        if unknown:
+            hints = "".join(f"\n  {w!r}{did_you_mean(w, list(names))}" for w in unknown)
+            raise RematError(
+                f"remat.apply: {len(unknown)} of the names in where match no submodule of "
+                f"{type(model).__name__}:{hints}\nNames are qualified as in "
+                "model.named_modules(), e.g. 'blocks.0'."
+            )
+        wanted = set(where)
+        return lambda name, module: name in wanted
+    if callable(where):
+
+        def predicate(name: str, module: nn.Module) -> bool:
+            answer = where(name, module)
+            if not isinstance(answer, bool):
+                raise RematError(
+                    f"remat.apply: the where predicate returned {answer!r} for {name!r}; it must "
+                    "return True or False."
+                )
+            return answer
+
+        return predicate
+    raise RematError(
+        f"remat.apply: where must be a module class, a tuple of classes, a predicate "
+        f"(name, module) -> bool or a list of qualified names; got {type(where).__name__}."
+    )
+
+
+def apply(
+    model: nn.Module, where: Where, *, offload_to_cpu: bool = False, **options: Any
+) -> nn.Module:
+    """Checkpoint the submodules of ``model`` that ``where`` selects, in place; return ``model``.
+
+    ``where`` is a module class, a tuple of classes, a predicate ``(qualified_name, module) ->
+    bool`` or a list of qualified names (as in ``model.named_modules()``; ``""`` is the model
+    itself). When a module and one inside it both match, only the outer one is wrapped: a region
+    inside a region would recompute twice for nothing. Options are those of
+    :func:`checkpoint_wrapper`.
+
+    Example::
+
+        remat.apply(gpt, GPTBlock)                          # every block
+        remat.apply(gpt, lambda name, m: name in {"blocks.0", "blocks.2"})
+    """
+    if not isinstance(model, nn.Module):
+        raise RematError(f"remat.apply: expected an nn.Module, got {type(model).__name__}.")
+    match = _matcher(where, model)
+    selected: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(_inside(name, outer) for outer, _ in selected):
+            continue
+        if match(name, module):
+            selected.append((name, module))
+    if not selected:
+        raise RematError(
+            f"remat.apply: where={_describe(where)} matches no module of "
+            f"{type(model).__name__}; module classes present: {_classes(model)}."
+        )
+    for _, module in selected:
+        checkpoint_wrapper(module, offload_to_cpu=offload_to_cpu, **options)
+    return model
+
+
+def _inside(name: str, outer: str) -> bool:
+    return outer == "" or name.startswith(outer + ".")
+
+
+def _describe(where: Any) -> str:
+    if isinstance(where, type):
+        return where.__name__
+    if isinstance(where, tuple) and all(isinstance(w, type) for w in where):
+        return "(" + ", ".join(w.__name__ for w in where) + ")"
+    return repr(where) if not callable(where) else getattr(where, "__name__", "predicate")
+
+
+def _classes(model: nn.Module) -> str:
+    names = sorted({type(m).__name__ for m in model.modules()})
+    return ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+
+
+def checkpoint_sequential(
+    functions: nn.Sequential | Sequence[Callable[..., Any]] | Iterable[nn.Module],
+    segments: int,
+    input: Any,
+    **options: Any,
+) -> Any:
+    """Run a sequence of modules in ``segments`` pieces, each but the last a checkpointed region.
+
+    The semantics of ``torch.utils.checkpoint.checkpoint_sequential``: the modules are split into
+    ``segments`` runs of ``len // segments`` modules, the last run taking the remainder; every
+    run but the last is checkpointed, since backward needs the last run's tensors at once.
+
+    Args:
+        functions: an ``nn.Sequential`` or a list of modules or functions, applied in order.
+        segments: how many pieces, from 1 to the number of functions.
+        input: the input of the first function; each function's output feeds the next.
+        **options: options of :func:`~remat.checkpoint`.
+    """
+    parsed = RegionOptions.parse("remat.checkpoint_sequential", options)
+    if isinstance(functions, nn.Sequential):
+        steps = list(functions.children())
+    elif isinstance(functions, (list, tuple, nn.ModuleList)):
+        steps = list(functions)
+    else:
+        raise RematError(
+            "remat.checkpoint_sequential: functions must be an nn.Sequential or a list of "
+            f"modules or functions, got {type(functions).__name__}."
+        )
+    not_callable = [i for i, f in enumerate(steps) if not callable(f)]
+    if not_callable:
+        raise RematError(
+            f"remat.checkpoint_sequential: functions at positions {not_callable} are not "
+            "callable."
+        )
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise RematError(
+            f"remat.checkpoint_sequential: segments must be an int, got {segments!r}."
+        )
+    if not 1 <= segments <= len(steps):
+        raise RematError(
+            f"remat.checkpoint_sequential: segments must be between 1 and the number of "
+            f"functions ({len(steps)}), got {segments}. Pick a value in that range."
+        )
+    size = len(steps) // segments
+    for start in range(0, size * (segments - 1), size):
+        input = run_region(_run_steps, (steps[start : start + size], input), {}, parsed)
+    return _run_steps(steps[size * (segments - 1) :], input)
+
+
+def _run_steps(steps: list[Callable[..., Any]], x: Any) -> Any:
+    for step in steps:
+        x = step(x)
+    return x
+
