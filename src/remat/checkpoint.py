@@ -47,7 +47,6 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _state
@@ -143,8 +142,8 @@ class _Frame:
     def __init__(
         self,
         function: Callable[..., Any],
-        flat_args: list[Any],
-        spec: pytree.TreeSpec,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
         ambient: Ambient,
         recompute_context: contextlib.AbstractContextManager[Any],
         early_stop: bool,
@@ -152,13 +151,18 @@ class _Frame:
         debug: bool,
     ) -> None:
         self.function = function
-        self.spec = spec
-        # Non-tensor leaves of (args, kwargs); tensors are None here and live in `input_node`.
-        self.leaves = [None if isinstance(v, torch.Tensor) else v for v in flat_args]
+        # The arguments with their tensors replaced by None: the tensors live in `input_node`,
+        # where an enclosing region manages them. Other arguments are kept as they are, so that
+        # a list or dict the function mutates is the same object in the recompute.
+        self.args = tuple(None if isinstance(v, torch.Tensor) else v for v in args)
+        self.kwargs = {k: None if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         self.ambient = ambient
         self.recompute_context = recompute_context
         self.early_stop = early_stop
         self.check = check
+        self.tensor_args: set[int | str] = {
+            i for i, v in enumerate(args) if isinstance(v, torch.Tensor)
+        } | {k for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         self.input_node: Any = None
         self.slots: list[weakref.ref[_Slot]] = []
         self.metas: list[_Meta] = []
@@ -195,9 +199,9 @@ class _Frame:
         return t
 
     def _inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        tensors = iter(self.input_node.saved_tensors)
-        flat = [next(tensors) if v is None else v for v in self.leaves]
-        args, kwargs = pytree.tree_unflatten(flat, self.spec)
+        saved = iter(self.input_node.saved_tensors)
+        args = tuple(next(saved) if i in self.tensor_args else v for i, v in enumerate(self.args))
+        kwargs = {k: next(saved) if k in self.tensor_args else v for k, v in self.kwargs.items()}
         return args, kwargs
 
     def _recompute(self, task: int) -> weakref.WeakKeyDictionary[_Slot, torch.Tensor]:
@@ -404,7 +408,6 @@ def run_region(
     if not torch.is_grad_enabled() or _state.state.disabled:
         return function(*args, **kwargs)
 
-    flat_args, spec = pytree.tree_flatten((args, kwargs))
     forward_context, recompute_context = (
         options.context_fn()
         if options.context_fn is not None
@@ -413,15 +416,15 @@ def run_region(
     ambient = Ambient.capture(options.preserve_rng_state)
     frame = _Frame(
         function,
-        flat_args,
-        spec,
+        args,
+        kwargs,
         ambient,
         recompute_context,
         early_stop=options.early_stop,
         check=options.determinism_check == "default",
         debug=options.debug,
     )
-    tensors = [v for v in flat_args if isinstance(v, torch.Tensor)]
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
     dummy = torch.empty(0, requires_grad=True)
     with _host_offload() if offload_inputs else contextlib.nullcontext():
         frame.input_node = _SaveInputs.apply(dummy, *tensors).grad_fn

@@ -435,7 +435,7 @@ def _convnet_workload(size: str) -> Workload:
             num_classes=10,
             dropout=0.1,
         )
-        batch_size = 64
+        batch_size = 128
     else:
         config = ConvNetConfig(
             in_channels=3,
@@ -577,7 +577,7 @@ def _unet_workload(size: str) -> Workload:
             num_classes=4,
             dropout=0.1,
         )
-        batch_size = 16
+        batch_size = 40
     else:
         config = UNetConfig(
             in_channels=3,

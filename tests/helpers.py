@@ -1,0 +1,110 @@
+"""Shared test helpers: run the same training steps plainly and with remat, and compare."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass
+class StepRecord:
+    outputs: list[Any] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    input_grads: list[torch.Tensor | None] = field(default_factory=list)
+    param_grads: list[dict[str, torch.Tensor | None]] = field(default_factory=list)
+    buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def train(
+    model: nn.Module,
+    batches: list[tuple[Any, torch.Tensor]],
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    seed: int = 1234,
+) -> StepRecord:
+    """SGD steps from the same RNG state; records every output, grad, param and buffer."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    record = StepRecord()
+    for step, (x, target) in enumerate(batches):
+        x = x.detach().clone()
+        if x.is_floating_point():
+            x.requires_grad_(True)
+        torch.manual_seed(seed + step)
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        loss = loss_fn(out, target)
+        loss.backward()
+        record.outputs.append(out.detach().clone() if isinstance(out, torch.Tensor) else out)
+        record.losses.append(loss.detach().clone())
+        record.input_grads.append(None if x.grad is None else x.grad.clone())
+        record.param_grads.append(
+            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        )
+        opt.step()
+        record.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        record.buffers.append({n: b.clone() for n, b in model.named_buffers()})
+    return record
+
+
+def assert_records_equal(plain: StepRecord, other: StepRecord) -> None:
+    """Bit-for-bit equality of everything two runs recorded."""
+    assert len(plain.losses) == len(other.losses)
+    for step in range(len(plain.losses)):
+        assert torch.equal(plain.losses[step], other.losses[step]), f"loss, step {step}"
+        assert_equal(plain.outputs[step], other.outputs[step], f"output, step {step}")
+        assert_equal(plain.input_grads[step], other.input_grads[step], f"input grad, step {step}")
+        for kind in ("param_grads", "params", "buffers"):
+            a, b = getattr(plain, kind)[step], getattr(other, kind)[step]
+            assert a.keys() == b.keys(), kind
+            for name in a:
+                assert_equal(a[name], b[name], f"{kind} {name}, step {step}")
+
+
+def assert_equal(a: Any, b: Any, what: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), what
+        assert a.dtype == b.dtype and a.shape == b.shape, what
+        assert torch.equal(a, b), f"{what}: max abs diff {(a - b).abs().max().item()}"
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal(x, y, f"{what}[{i}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            assert_equal(a[k], b[k], f"{what}[{k!r}]")
+    else:
+        assert a == b, what
+
+
+def twin(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts ATen operators by name (``"mm"``, ``"sin"``, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    def __getitem__(self, name: str) -> int:
+        return self.counts.get(name, 0)
+
+
+@contextmanager
+def counting_ops() -> Iterator[OpCounter]:
+    with OpCounter() as counter:
+        yield counter

@@ -1,0 +1,632 @@
+"""The region engine: exactness against plain runs, autograd semantics, replay, state, errors."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+import weakref
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_equal, assert_records_equal, counting_ops, train
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import remat
+
+
+def _grads(*tensors: torch.Tensor) -> list[torch.Tensor | None]:
+    return [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+def _leaf(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).requires_grad_()
+
+
+def _fresh(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def run_both(fn: Any, *leaves: torch.Tensor, seed: int = 7, **options: Any) -> None:
+    """fn(*leaves) -> scalar loss, run plainly and inside remat.checkpoint; compare all."""
+    a, b = _fresh(*leaves), _fresh(*leaves)
+    torch.manual_seed(seed)
+    plain = fn(*a)
+    plain.backward()
+    torch.manual_seed(seed)
+    out = remat.checkpoint(fn, *b, **options)
+    out.backward()
+    assert torch.equal(plain, out)
+    assert_equal(_grads(*a), _grads(*b), "grads")
+
+
+# -- transparency -------------------------------------------------------------------------------
+
+
+def test_dropout_function_is_exact() -> None:
+    w = _leaf(8, 8)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(x @ w), 0.5, training=True)
+        return (F.dropout(h.exp(), 0.3, training=True) * h).sum()
+
+    run_both(fn, _leaf(4, 8), w)
+
+
+def test_kwargs_and_nested_inputs_and_outputs() -> None:
+    x, w, b = _leaf(3, 4), _leaf(4, 4), _leaf(4)
+
+    def fn(
+        x: torch.Tensor, pair: tuple[torch.Tensor, str], *, cfg: dict[str, Any], scale: float
+    ) -> dict[str, Any]:
+        weight, tag = pair
+        h = F.dropout(x @ weight + cfg["bias"], 0.2, training=True) * scale
+        return {"out": h.sin(), "extra": (h.cos(), tag, None), "n": cfg["n"]}
+
+    xs, ws, bs = _fresh(x, w, b), _fresh(x, w, b), None
+    del bs
+    torch.manual_seed(3)
+    plain = fn(xs[0], (xs[1], "t"), cfg={"bias": xs[2], "n": 5}, scale=2.0)
+    (plain["out"].sum() + plain["extra"][0].sum()).backward()
+    torch.manual_seed(3)
+    out = remat.checkpoint(fn, ws[0], (ws[1], "t"), cfg={"bias": ws[2], "n": 5}, scale=2.0)
+    (out["out"].sum() + out["extra"][0].sum()).backward()
+    assert out["extra"][1:] == ("t", None) and out["n"] == 5
+    assert_equal(plain["out"], out["out"])
+    assert_equal(_grads(*xs), _grads(*ws), "grads")
+
+
+def test_inputs_without_grad_and_parameters_inside() -> None:
+    lin = nn.Linear(6, 6)
+    x = torch.randn(2, 6)  # no grad
+    twin = copy.deepcopy(lin)
+    torch.manual_seed(0)
+    F.dropout(lin(x), 0.5).pow(2).sum().backward()
+    torch.manual_seed(0)
+    out = remat.checkpoint(lambda t: F.dropout(twin(t), 0.5).pow(2).sum(), x)
+    assert out.requires_grad
+    out.backward()
+    assert_equal([p.grad for p in lin.parameters()], [p.grad for p in twin.parameters()])
+
+
+def test_custom_autograd_function_inside() -> None:
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(x)
+            return x**3
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            (x,) = ctx.saved_tensors
+            return 3 * x * x * g
+
+    run_both(lambda x: Cube.apply(F.dropout(x, 0.5)).sum(), _leaf(5, 5))
+
+
+def test_no_grad_runs_plainly_and_saves_nothing() -> None:
+    calls = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(remat.is_checkpointing())
+        return x.sin()
+
+    x = _leaf(3)
+    with torch.no_grad():
+        out = remat.checkpoint(fn, x)
+    assert not out.requires_grad and calls == [False]
+    with torch.inference_mode():
+        remat.checkpoint(fn, x)
+    assert calls == [False, False]
+
+
+# -- autograd semantics -------------------------------------------------------------------------
+
+
+def test_retain_graph_and_several_backwards() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x.sin(), 0.5).exp()
+
+    a, b = _fresh(_leaf(4, 4), _leaf(4, 4))[0], None
+    x = a.detach().clone().requires_grad_()
+    torch.manual_seed(1)
+    plain = fn(a).sum()
+    plain.backward(retain_graph=True)
+    plain.backward()
+    torch.manual_seed(1)
+    out = remat.checkpoint(fn, x).sum()
+    with counting_ops() as ops:
+        out.backward(retain_graph=True)
+        out.backward()
+    assert ops["sin"] == 2  # one recompute per backward
+    assert b is None and torch.equal(a.grad, x.grad)
+
+
+def test_autograd_grad_with_inputs_subset() -> None:
+    x, w = _leaf(3, 4), _leaf(4, 2)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.tanh(x @ w), 0.4).sum()
+
+    (xa, wa), (xb, wb) = _fresh(x, w), _fresh(x, w)
+    torch.manual_seed(2)
+    (ga,) = torch.autograd.grad(fn(xa, wa), (wa,))
+    torch.manual_seed(2)
+    (gb,) = torch.autograd.grad(remat.checkpoint(fn, xb, wb), (wb,))
+    assert torch.equal(ga, gb) and xb.grad is None and wb.grad is None
+    out = remat.checkpoint(fn, xb, wb)
+    out.backward(inputs=[xb])
+    assert xb.grad is not None and wb.grad is None
+
+
+def test_double_backward() -> None:
+    x, w = _leaf(4, 3), _leaf(3, 3)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(x @ w) * F.dropout(x.sin() @ w, 0.3)).sum()
+
+    (xa, wa), (xb, wb) = _fresh(x, w), _fresh(x, w)
+    torch.manual_seed(4)
+    (ga,) = torch.autograd.grad(fn(xa, wa), xa, create_graph=True)
+    ga.pow(2).sum().backward()
+    torch.manual_seed(4)
+    (gb,) = torch.autograd.grad(remat.checkpoint(fn, xb, wb), xb, create_graph=True)
+    gb.pow(2).sum().backward()
+    assert torch.equal(ga, gb)
+    assert_equal(_grads(xa, wa), _grads(xb, wb))
+
+
+def test_backward_inside_the_function() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = F.dropout(x.sin(), 0.5)
+        (gx,) = torch.autograd.grad(y.cos().sum(), x, create_graph=True)
+        return (gx * y).sum()
+
+    run_both(fn, _leaf(6))
+
+
+def test_nested_regions_are_exact_and_recompute_outer_first() -> None:
+    calls = {"outer": 0, "inner": 0}
+
+    def inner(h: torch.Tensor) -> torch.Tensor:
+        calls["inner"] += 1
+        return F.dropout(h.exp(), 0.5).sin()
+
+    def outer(x: torch.Tensor, use_remat: bool) -> torch.Tensor:
+        calls["outer"] += 1
+        h = x.cos()
+        h = remat.checkpoint(inner, h) if use_remat else inner(h)
+        return (h * x).sum()
+
+    x = _leaf(5, 5)
+    a, b = _fresh(x), _fresh(x)
+    torch.manual_seed(9)
+    plain = outer(a[0], False)
+    plain.backward()
+    calls.update(outer=0, inner=0)
+    torch.manual_seed(9)
+    out = remat.checkpoint(outer, b[0], True)
+    out.backward()
+    assert torch.equal(plain, out) and torch.equal(a[0].grad, b[0].grad)
+    # outer: forward + one recompute. inner: forward, its forward again inside the outer
+    # recompute (Rule 2: that is what rebuilds its inputs), and its own recompute.
+    assert calls == {"outer": 2, "inner": 3}
+
+
+def test_non_tensor_and_tensor_mixed_outputs_under_nesting() -> None:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
+        inner = remat.checkpoint(lambda t: [t.sin(), F.dropout(t, 0.5)], x)
+        return inner[0] * inner[1], 3, inner
+
+    x = _leaf(4)
+    a, b = _fresh(x)[0], _fresh(x)[0]
+    torch.manual_seed(5)
+    p = fn(a)
+    (p[0].sum() + p[2][1].sum()).backward()
+    torch.manual_seed(5)
+    q = remat.checkpoint(fn, b)
+    (q[0].sum() + q[2][1].sum()).backward()
+    assert q[1] == 3 and torch.equal(a.grad, b.grad)
+
+
+# -- early stop ---------------------------------------------------------------------------------
+
+
+def _early_stop_fn(x: torch.Tensor, marks: list[str]) -> torch.Tensor:
+    marks.append("start")
+    y = x.sin()  # saves x
+    z = y.exp()  # saves z
+    marks.append("after last save")
+    return z + 1.0  # add saves nothing, and its backward runs no add
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_early_stop_skips_ops_after_last_needed_save(early_stop: bool) -> None:
+    marks: list[str] = []
+    x = _leaf(4)
+    out = remat.checkpoint(_early_stop_fn, x, marks, early_stop=early_stop)
+    with counting_ops() as ops:
+        out.sum().backward()
+    assert ops["sin"] == 1 and ops["exp"] == 1
+    assert ops["add"] == (0 if early_stop else 1)
+    assert marks.count("after last save") == (1 if early_stop else 2)
+    assert torch.equal(x.grad, (x.sin().exp() * x.cos()).detach())
+
+
+def test_early_stop_stops_at_last_tensor_still_needed() -> None:
+    # When the later outputs are gone before backward, their saved tensors are freed with them
+    # and the recompute stops after the last save that is still alive.
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = x.sin()  # saves x
+        return a, torch.atan2(a.exp(), x)  # exp saves its result, atan2 both operands
+
+    x = _leaf(6)
+    first, second = remat.checkpoint(fn, x)
+    del second
+    with counting_ops() as ops:
+        first.sum().backward()
+    # The recompute stops when sin saves its input, before sin itself runs again.
+    assert ops["sin"] == 0 and ops["exp"] == 0 and ops["atan2"] == 0
+    assert torch.equal(x.grad, x.detach().cos())
+
+
+# -- exact replay -------------------------------------------------------------------------------
+
+
+def test_without_rng_replay_dropout_differs() -> None:
+    x = _leaf(64)
+    a, b = _fresh(x)[0], _fresh(x)[0]
+    torch.manual_seed(0)
+    F.dropout(a, 0.5).pow(2).sum().backward()
+    torch.manual_seed(0)
+    remat.checkpoint(
+        lambda t: F.dropout(t, 0.5).pow(2).sum(), b, preserve_rng_state=False
+    ).backward()
+    assert not torch.equal(a.grad, b.grad)
+
+
+def test_backward_leaves_global_rng_as_plain_run_does() -> None:
+    x = _leaf(16)
+    torch.manual_seed(0)
+    F.dropout(x, 0.5).sum().backward()
+    plain_state = torch.get_rng_state()
+    torch.manual_seed(0)
+    remat.checkpoint(lambda t: F.dropout(t, 0.5).sum(), x).backward()
+    assert torch.equal(plain_state, torch.get_rng_state())
+
+
+def test_autocast_state_is_replayed() -> None:
+    lin = nn.Linear(8, 8)
+    twin = copy.deepcopy(lin)
+    x = _leaf(4, 8)
+    a, b = _fresh(x)[0], _fresh(x)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = lin(a).float().sin().sum()
+        out = remat.checkpoint(lambda t: twin(t).float().sin().sum(), b)
+    plain.backward()
+    out.backward()  # outside autocast: the recompute must still run in bfloat16
+    assert torch.equal(a.grad, b.grad)
+    assert_equal([p.grad for p in lin.parameters()], [p.grad for p in twin.parameters()])
+
+
+def test_default_device_is_replayed() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x * torch.ones(x.shape)).sin().sum()
+
+    x = _leaf(3)
+    out = remat.checkpoint(fn, x)
+    with torch.device("meta"):
+        out.backward()  # the recompute's torch.ones must be made on the forward's device
+    assert torch.equal(x.grad, x.detach().cos())
+
+
+def test_context_fn_with_torch_selective_checkpoint_policy() -> None:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op == torch.ops.aten.mm.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.mm(x, w).sin(), 0.5).mm(w).sum()
+
+    x, w = _leaf(4, 4), _leaf(4, 4)
+    run_both(fn, x, w, context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    out = remat.checkpoint(fn, x, w, context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    with counting_ops() as ops:
+        out.backward()
+    assert ops["sin"] == 1  # the recompute; backward of sin runs cos
+    assert ops["mm"] == 4  # backward's four mm; the saved ones are not run again
+
+
+def test_determinism_check_lists_each_differing_tensor() -> None:
+    state = {"n": 4}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x[: state["n"]].sin() * 2).exp().sum()
+
+    out = remat.checkpoint(fn, _leaf(8))
+    state["n"] = 3
+    with pytest.raises(remat.CheckpointError) as info:
+        out.backward()
+    message = str(info.value)
+    assert "saved tensor 0: forward shape=(4,), dtype=torch.float32, device=cpu" in message
+    assert "recompute shape=(3,)" in message
+    assert "saved tensor 1" in message and "Usual causes" in message
+
+
+def test_determinism_check_catches_a_shorter_recompute() -> None:
+    state = {"extra": True}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        return y.exp().sum() if state["extra"] else y.sum()
+
+    out = remat.checkpoint(fn, _leaf(4), early_stop=False)
+    state["extra"] = False
+    with pytest.raises(remat.CheckpointError, match="forward saved 2 tensors; the recompute saved only 1"):
+        out.backward()
+
+
+def test_debug_shows_where_the_operators_diverge() -> None:
+    state = {"cos": False}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.cos() if state["cos"] else x.sin()
+        return y[:2].exp().sum() if state["cos"] else y.exp().sum()
+
+    out = remat.checkpoint(fn, _leaf(4), debug=True)
+    state["cos"] = True
+    with pytest.raises(remat.CheckpointError, match=r"(?s)first difference at #0.*aten\.sin.*aten\.cos"):
+        out.backward()
+
+
+def test_determinism_check_none_skips_the_check() -> None:
+    state = {"k": 1.0}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x * state["k"]).sin().sum()
+
+    x = _leaf(3)
+    out = remat.checkpoint(fn, x, determinism_check="none")
+    state["k"] = 2.0
+    out.backward()  # same metadata, so no check could see it; the values follow the new state
+    assert torch.equal(x.grad, (x * 2.0).cos().detach())
+
+
+# -- state mutates once -------------------------------------------------------------------------
+
+
+NORMS = [
+    lambda: nn.BatchNorm1d(6),
+    lambda: nn.BatchNorm2d(6),
+    lambda: nn.BatchNorm3d(6),
+    lambda: nn.SyncBatchNorm(6),
+    lambda: nn.InstanceNorm1d(6, track_running_stats=True, affine=True),
+    lambda: nn.InstanceNorm2d(6, track_running_stats=True),
+    lambda: nn.BatchNorm1d(6, momentum=None),
+]
+INPUT_DIMS = [1, 2, 3, 2, 1, 2, 1]
+
+
+class _NormNet(nn.Module):
+    def __init__(self, norm: nn.Module, dims: int) -> None:
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+        self.conv = conv(3, 6, 3, padding=1)
+        self.norm = norm
+        self.drop = nn.Dropout(0.2)
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.relu(self.norm(self.conv(x))))
+
+
+@pytest.mark.parametrize("index", range(len(NORMS)))
+def test_norm_running_statistics_update_once(index: int) -> None:
+    dims = INPUT_DIMS[index]
+    torch.manual_seed(0)
+    plain = _NormNet(NORMS[index](), dims)
+    wrapped = remat.checkpoint_wrapper(copy.deepcopy(plain))
+    shape = (4, 3) + (5,) * dims
+    batches = [(torch.randn(shape), torch.randn(shape[:1] + (6,) + shape[2:])) for _ in range(3)]
+    loss = nn.functional.mse_loss
+    assert_records_equal(train(plain, batches, loss), train(wrapped, batches, loss))
+
+
+def test_torch_checkpoint_updates_batchnorm_twice() -> None:
+    # The bug remat's write guard fixes (pytorch/pytorch#96136): shown so the test above could fail.
+    bn = nn.BatchNorm1d(4)
+    x = _leaf(8, 4)
+    torch.utils.checkpoint.checkpoint(bn, x, use_reentrant=False).sum().backward()
+    assert int(bn.num_batches_tracked) == 2
+
+
+class _Stateful(nn.Module):
+    """Writes buffers in forward through in-place ops, copy_, out= and an index_put."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("cache", torch.zeros(3))
+        self.register_buffer("hist", torch.zeros(4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        self.cache.copy_(x.detach().mean(0)[:3])
+        torch.add(self.hist, 1.0, out=self.hist)
+        self.hist[0] = self.hist[0] * 2
+        scratch = torch.zeros_like(x)
+        scratch.add_(self.lin(x))  # a write to a tensor made inside the region must still happen
+        return (scratch * self.cache.sum()).sin()
+
+
+def test_buffers_written_in_forward_are_written_once() -> None:
+    torch.manual_seed(0)
+    plain = _Stateful()
+    wrapped = remat.checkpoint_wrapper(copy.deepcopy(plain))
+    batches = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(3)]
+    a, b = train(plain, batches, F.mse_loss), train(wrapped, batches, F.mse_loss)
+    assert_records_equal(a, b)
+    assert int(wrapped.calls) == 3 and torch.equal(wrapped.hist, plain.hist)
+
+
+# -- flags --------------------------------------------------------------------------------------
+
+
+def test_flags_inside_forward_and_recompute() -> None:
+    seen: list[tuple[bool, bool]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append((remat.is_checkpointing(), remat.is_recomputing()))
+        return x.sin().sum()
+
+    assert not remat.is_checkpointing() and not remat.is_recomputing()
+    remat.checkpoint(fn, _leaf(3)).backward()
+    assert seen == [(True, False), (False, True)]
+    assert not remat.is_checkpointing() and not remat.is_recomputing()
+
+
+def test_flags_are_thread_local() -> None:
+    seen: dict[str, bool] = {}
+
+    def other_thread() -> None:
+        seen["checkpointing"] = remat.is_checkpointing()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        seen["here"] = remat.is_checkpointing()
+        return x.sin()
+
+    remat.checkpoint(fn, _leaf(2))
+    assert seen == {"checkpointing": False, "here": True}
+
+
+def test_flags_restored_when_an_exception_escapes() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        remat.checkpoint(fn, _leaf(2))
+    assert not remat.is_checkpointing()
+    with pytest.raises(ValueError, match="boom"), remat.disable_checkpointing():
+        raise ValueError("boom")
+    calls = []
+    remat.checkpoint(lambda t: calls.append(remat.is_checkpointing()) or t.sin(), _leaf(2))
+    assert calls == [True]
+
+
+def test_disable_checkpointing_runs_plainly() -> None:
+    calls = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(remat.is_checkpointing())
+        return x.sin().sum()
+
+    with remat.disable_checkpointing():
+        out = remat.checkpoint(fn, _leaf(3))
+    out.backward()
+    assert calls == [False]
+
+
+# -- lifetimes ----------------------------------------------------------------------------------
+
+
+def test_nothing_leaks_when_backward_never_happens() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.seen: list[weakref.ref[torch.Tensor]] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x).relu()
+            self.seen.append(weakref.ref(h))
+            return h.sin()
+
+    gc.disable()
+    try:
+        block = Block()
+        out = remat.checkpoint(block, _leaf(2, 4))
+        block_ref = weakref.ref(block)
+        activation = block.seen[0]
+        assert activation() is None  # dropped right after forward: not saved
+        del block, out
+        assert block_ref() is None
+    finally:
+        gc.enable()
+
+
+def test_recomputed_tensors_are_released_as_backward_consumes_them() -> None:
+    kept: list[weakref.ref[torch.Tensor]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = x.exp()
+        if remat.is_recomputing():
+            kept.append(weakref.ref(h))
+        return h.sin().sum()
+
+    gc.disable()
+    try:
+        out = remat.checkpoint(fn, _leaf(8))
+        out.backward(retain_graph=True)
+        assert kept and kept[-1]() is None  # freed even though the graph is retained
+        out.backward()
+        assert len(kept) == 2 and kept[-1]() is None
+    finally:
+        gc.enable()
+
+
+def test_saved_tensor_read_twice_in_one_backward_raises() -> None:
+    class ReadTwice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            (x,) = ctx.saved_tensors
+            (x,) = ctx.saved_tensors
+            return g * 2
+
+    out = remat.checkpoint(lambda t: ReadTwice.apply(t.sin()).sum(), _leaf(3))
+    with pytest.raises(remat.CheckpointError, match="requested twice in one backward"):
+        out.backward()
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"preserve_rng_state": "yes"}, "preserve_rng_state must be True or False, got 'yes'"),
+        ({"early_stop": 1}, "early_stop must be True or False"),
+        ({"determinism_check": "strict"}, "determinism_check must be one of"),
+        ({"context_fn": 3}, "context_fn must be a callable"),
+        ({"use_reentrant": True}, "use_reentrant=True is not supported"),
+    ],
+)
+def test_bad_options_raise(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(remat.RematError, match=match):
+        remat.checkpoint(torch.sin, _leaf(2), **kwargs)
+
+
+def test_non_callable_raises() -> None:
+    with pytest.raises(remat.RematError, match="expected a callable as first argument, got Tensor"):
+        remat.checkpoint(_leaf(2), _leaf(2))  # type: ignore[arg-type]
+
+
+def test_use_reentrant_false_is_accepted() -> None:
+    run_both(lambda t: F.dropout(t, 0.5).sin().sum(), _leaf(4), use_reentrant=False)
+
+
+def test_errors_share_one_root() -> None:
+    assert issubclass(remat.CheckpointError, remat.RematError)
+    assert issubclass(remat.RematError, RuntimeError)
