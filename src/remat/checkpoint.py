@@ -47,6 +47,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _state
@@ -425,9 +426,16 @@ def run_region(
         debug=options.debug,
     )
     tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    # Tensors inside containers stay in their containers (the same objects in the recompute),
+    # but are saved too, so that autograd's version check catches in-place changes to them.
+    nested = [
+        v
+        for v in pytree.tree_leaves([a for a in (*args, *kwargs.values()) if not isinstance(a, torch.Tensor)])
+        if isinstance(v, torch.Tensor)
+    ]
     dummy = torch.empty(0, requires_grad=True)
     with _host_offload() if offload_inputs else contextlib.nullcontext():
-        frame.input_node = _SaveInputs.apply(dummy, *tensors).grad_fn
+        frame.input_node = _SaveInputs.apply(dummy, *tensors, *nested).grad_fn
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack))

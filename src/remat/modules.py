@@ -43,7 +43,7 @@ class _CheckpointedForward:
         if module is None:
             raise RematError("remat: the module of this checkpointed forward was freed.")
         forward = types.MethodType(type(module).forward, module)
-        return run_region(_call, (forward, args, kwargs), {}, self.options, self.offload_to_cpu)
+        return run_region(forward, args, kwargs, self.options, self.offload_to_cpu)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward:
         # copy.deepcopy(model) copies the module before its __dict__, so the copy is in memo.
@@ -63,10 +63,6 @@ class _CheckpointedForward:
 
 def _rebind(module: nn.Module, offload_to_cpu: bool, options: RegionOptions) -> Any:
     return _CheckpointedForward(module, offload_to_cpu, options)
-
-
-def _call(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return forward(*args, **kwargs)
 
 
 def checkpoint_wrapper(
@@ -179,6 +175,9 @@ def apply(
     """
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.apply: expected an nn.Module, got {type(model).__name__}.")
+    RegionOptions.parse("remat.apply", dict(options))
+    if not isinstance(offload_to_cpu, bool):
+        raise RematError(f"remat.apply: offload_to_cpu must be True or False, got {offload_to_cpu!r}.")
     match = _matcher(where, model)
     selected: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
@@ -190,6 +189,13 @@ def apply(
         raise RematError(
             f"remat.apply: where={_describe(where)} matches no module of "
             f"{type(model).__name__}; module classes present: {_classes(model)}."
+        )
+    taken = [name or "(the model)" for name, module in selected if "forward" in module.__dict__]
+    if taken:
+        raise RematError(
+            f"remat.apply: {len(taken)} selected modules already have an instance-level forward "
+            f"(already checkpointed, or patched): {taken}. Nothing was wrapped; select other "
+            "modules or remove those wrappers first."
         )
     for _, module in selected:
         checkpoint_wrapper(module, offload_to_cpu=offload_to_cpu, **options)

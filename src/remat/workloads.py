@@ -6,7 +6,7 @@ that needs models whose shape is fixed, whose parameters and batches are reprodu
 seed, and whose layers exercise the awkward cases (dropout, BatchNorm, attention, skip
 connections). This module provides four such models, each in two sizes:
 
-* ``small``: a few thousand parameters, for fast unit tests.
+* ``small``: tiny models whose training step takes milliseconds, for unit tests.
 * ``bench``: roughly 1 GiB of activations per training step, for benchmarks.
 
 Models are initialised randomly and batches are synthetic, so nothing is downloaded. All four
@@ -90,7 +90,8 @@ class Workload:
         """Return ``(qualified name, module)`` for every block of ``model`` in forward order.
 
         Blocks are the outermost submodules that are instances of :attr:`block_types`; a
-        block nested inside another block is not listed separately.
+        block nested inside another block is not listed separately. They are listed in
+        registration order, which for the built-in models is the order ``forward`` calls them.
         """
         found: list[tuple[str, nn.Module]] = []
         prefixes: list[str] = []
@@ -184,8 +185,7 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
-            GPTBlock(config.d_model, config.n_heads, config.dropout)
-            for _ in range(config.n_layers)
+            GPTBlock(config.d_model, config.n_heads, config.dropout) for _ in range(config.n_layers)
         )
         self.ln_f = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -230,7 +230,9 @@ def _gpt_workload(size: str) -> Workload:
         )
         batch_size = 2
     else:
-        config = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, dropout=0.1)
+        config = GPTConfig(
+            vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, dropout=0.1
+        )
         batch_size = 2
     return Workload(
         name="gpt",
@@ -518,17 +520,14 @@ class UNet(nn.Module):
         self.upsamples = nn.ModuleList(
             nn.ConvTranspose2d(2 * c, c, kernel_size=2, stride=2) for c in decoder_widths
         )
-        self.decoder = nn.ModuleList(
-            UNetBlock(2 * c, c, config.dropout) for c in decoder_widths
-        )
+        self.decoder = nn.ModuleList(UNetBlock(2 * c, c, config.dropout) for c in decoder_widths)
         self.head = nn.Conv2d(config.base_channels, config.num_classes, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        size = x.shape[-1]
-        if x.shape[-2] % 2**self.config.depth or size % 2**self.config.depth:
+        factor = 2**self.config.depth
+        if x.shape[-2] % factor or x.shape[-1] % factor:
             raise ValueError(
-                f"remat: U-Net input {tuple(x.shape[-2:])} is not divisible by "
-                f"2**{self.config.depth}"
+                f"remat: U-Net input size {tuple(x.shape[-2:])} is not divisible by {factor}"
             )
         skips: list[Tensor] = []
         for block in self.encoder:

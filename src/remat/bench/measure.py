@@ -1,0 +1,189 @@
+"""Measure one strategy's peak activation memory, and step times of several side by side.
+
+Run as ``python -m remat.bench.measure '<json request>'``: each request runs in a fresh
+process and prints one JSON line. Two kinds of request:
+
+``memory``: build the workload, set it up with one strategy, take a warm-up step, then measure
+the peak of one steady-state step above the memory live just before it. On CUDA that is
+``max_memory_allocated() - memory_allocated()``. On CPU there are no allocator statistics, so
+the step runs under ``torch.profiler`` with ``profile_memory=True`` and the peak is the maximum
+of the running sum of every allocation and free: deterministic, including recompute and backward
+temporaries, and undisturbed by other processes. Gradients are allocated before the measured
+step, so the figure is activations and temporaries, not gradients. The same process then runs
+a plain model from the same seed and checks that loss and every gradient are bit-identical.
+
+``time``: every strategy's model in one process, on the same parameters and batch; each round
+times one step of each strategy, in an order that rotates from round to round, and each
+strategy's ratio is its step time over the plain step of the same round; the median over rounds
+is reported. CPU time that other processes used during a step (from ``/proc/stat``) marks the
+round as contended; contended rounds are left out while enough clean ones remain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..workloads import Workload, get_workload
+from .strategies import get_strategy
+
+__all__: list[str] = []
+
+_CONTENDED = 0.15  # other processes' CPU seconds per wall second above which a step is contended
+
+
+def training_step(model: nn.Module, workload: Workload, batch: Any, seed: int) -> torch.Tensor:
+    inputs, target = batch
+    torch.manual_seed(seed)
+    loss = workload.loss_fn(model(inputs), target)
+    loss.backward()
+    return loss.detach()
+
+
+def _zero_grads(model: nn.Module) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+
+
+def peak_step_bytes(step: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes allocated by ``step`` above what was live when it started."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        if event.device_type() == torch.autograd.DeviceType.CPU:
+            live += event.nbytes()
+            peak = max(peak, live)
+    return peak
+
+
+def _prepared(workload: Workload, strategy: str, seed: int, device: torch.device) -> nn.Module:
+    model = workload.model(seed).to(device)
+    get_strategy(strategy).prepare(model, workload)
+    return model
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    return tuple(t.to(device) for t in batch)
+
+
+def memory(workload: Workload, strategy: str, seed: int, device: torch.device) -> dict[str, Any]:
+    model = _prepared(workload, strategy, seed, device)
+    batch = _to(workload.batch(seed), device)
+    training_step(model, workload, batch, seed)
+    _zero_grads(model)
+    peak = peak_step_bytes(lambda: training_step(model, workload, batch, seed), device)
+
+    plain = workload.model(seed).to(device)
+    _zero_grads(model)
+    expected = training_step(plain, workload, batch, seed + 1)
+    got = training_step(model, workload, batch, seed + 1)
+    equal = torch.equal(expected, got) and all(
+        p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
+        for p, q in zip(plain.parameters(), model.parameters())
+    )
+    return {"peak_bytes": peak, "grads_equal": equal}
+
+
+def _busy_seconds() -> float:
+    """CPU seconds all processes have spent, from the first line of /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_step(step: Callable[[], Any], device: torch.device) -> tuple[float, bool]:
+    """Wall seconds of one step, and whether other processes competed for the CPU during it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    busy, own, start = _busy_seconds(), time.process_time(), time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - start
+    others = (_busy_seconds() - busy) - (time.process_time() - own)
+    return wall, others > _CONTENDED * wall
+
+
+def times(
+    workload: Workload, strategies: list[str], seed: int, device: torch.device, rounds: int
+) -> dict[str, Any]:
+    names = ["none", *[s for s in strategies if s != "none"]]
+    models = {name: _prepared(workload, name, seed, device) for name in names}
+    batch = _to(workload.batch(seed), device)
+    for model in models.values():
+        for _ in range(2):
+            training_step(model, workload, batch, seed)
+            _zero_grads(model)
+    per_round: list[dict[str, float]] = []
+    contended: list[bool] = []
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        seconds: dict[str, float] = {}
+        busy = False
+        for name in order:
+            model = models[name]
+            wall, other = timed_step(lambda: training_step(model, workload, batch, seed), device)
+            _zero_grads(model)
+            seconds[name] = wall
+            busy = busy or other
+        per_round.append(seconds)
+        contended.append(busy)
+    clean = [s for s, c in zip(per_round, contended) if not c]
+    used = clean if len(clean) >= max(3, rounds // 2) else per_round
+    return {
+        "rounds": rounds,
+        "contended_rounds": sum(contended),
+        "used_rounds": len(used),
+        "seconds": {n: statistics.median(s[n] for s in used) for n in names},
+        "ratio": {n: statistics.median(s[n] / s["none"] for s in used) for n in names},
+        "pairwise": {
+            f"{a}/{b}": statistics.median(s[a] / s[b] for s in used)
+            for a in names
+            for b in names
+            if a != b and a != "none" and b != "none"
+        },
+    }
+
+
+def handle(request: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(request.get("threads") or torch.get_num_threads())
+    if request.get("hf"):
+        from .hf import get_hf_workload
+
+        workload = get_hf_workload(request["hf"], request["size"])
+    else:
+        workload = get_workload(request["workload"], request["size"])
+    device = torch.device(request.get("device", "cpu"))
+    seed = int(request.get("seed", 0))
+    if request["kind"] == "memory":
+        return memory(workload, request["strategy"], seed, device)
+    return times(workload, list(request["strategies"]), seed, device, int(request["rounds"]))
+
+
+if __name__ == "__main__":
+    print(json.dumps(handle(json.loads(sys.argv[1]))))

@@ -1,0 +1,149 @@
+"""Present ``remat bench`` results: a table, a JSON document, a memory-versus-time plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import RematError
+
+__all__: list[str] = []
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Row:
+    """One strategy's results. Bytes are activation peaks; ratios are against ``none``."""
+
+    strategy: str
+    description: str
+    peak_bytes: int
+    memory_ratio: float
+    step_seconds: float
+    time_ratio: float
+    grads_equal: bool
+
+
+@dataclass(frozen=True)
+class Result:
+    workload: str
+    description: str
+    device: str
+    rounds: int
+    contended_rounds: int
+    used_rounds: int
+    rows: list[Row]
+    pairwise_time: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def table(result: Result) -> Any:
+    """A rich table of the results."""
+    from rich.table import Table
+
+    t = Table(title=f"remat bench: {result.workload} on {result.device}", caption=result.description)
+    for header in ("strategy", "peak act. MiB", "memory vs none", "step s", "time vs none", "grads equal"):
+        t.add_column(header, justify="left" if header == "strategy" else "right")
+    for row in result.rows:
+        t.add_row(
+            row.strategy,
+            f"{row.peak_bytes / MIB:,.1f}",
+            f"{row.memory_ratio:.2f}",
+            f"{row.step_seconds:.3f}",
+            f"{row.time_ratio:.2f}",
+            "yes" if row.grads_equal else "NO",
+        )
+    return t
+
+
+def markdown(result: Result) -> str:
+    lines = [
+        "| strategy | peak activation MiB | memory vs none | step s | time vs none | grads equal |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in result.rows:
+        lines.append(
+            f"| {r.strategy} | {r.peak_bytes / MIB:,.1f} | {r.memory_ratio:.2f} | "
+            f"{r.step_seconds:.3f} | {r.time_ratio:.2f} | {'yes' if r.grads_equal else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def check_writable(path: Path) -> None:
+    """Raise a :class:`RematError` now if ``path`` cannot be written later."""
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise RematError(f"remat bench: cannot create {directory}: {error.strerror}") from None
+    if path.is_dir():
+        raise RematError(f"remat bench: {path} is a directory; give a file path.")
+    if not os.access(directory, os.W_OK):
+        raise RematError(f"remat bench: {directory} is not writable; choose another path.")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_json(result: Result, path: Path) -> None:
+    _atomic_write(path, (json.dumps(result.to_json(), indent=2) + "\n").encode())
+
+
+def write_plot(result: Result, path: Path) -> None:
+    """Activation memory against step time, one labelled point per strategy, Pareto front."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    xs = [r.step_seconds for r in result.rows]
+    ys = [r.peak_bytes / MIB for r in result.rows]
+    colors = ["tab:green" if r.strategy.startswith("remat") else "tab:blue" for r in result.rows]
+    ax.scatter(xs, ys, c=colors, s=40, zorder=3)
+    for r, x, y in zip(result.rows, xs, ys):
+        ax.annotate(r.strategy, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    front = _pareto(list(zip(xs, ys)))
+    ax.step(
+        [p[0] for p in front], [p[1] for p in front], where="post", color="gray",
+        linestyle="--", zorder=2, label="Pareto front",
+    )
+    ax.set_xlabel("step time (s, median)")
+    ax.set_ylabel("peak activation memory (MiB)")
+    ax.set_title(f"remat bench: {result.workload} ({result.device})", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.scatter([], [], c="tab:green", label="remat")
+    ax.scatter([], [], c="tab:blue", label="baselines")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    _atomic_write(path, buffer.getvalue())
+
+
+def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points not beaten on both time and memory, by increasing time."""
+    front: list[tuple[float, float]] = []
+    for x, y in sorted(points):
+        if not front or y < front[-1][1]:
+            front.append((x, y))
+    return front

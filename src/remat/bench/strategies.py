@@ -1,0 +1,159 @@
+"""The strategies ``remat bench`` compares, in one registry.
+
+A strategy changes a freshly built model in place so that its training step keeps, drops or
+offloads activations in its own way. Each capability of remat adds its strategies here as
+entries; the benchmark runs whatever is registered.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+from .. import modules as remat_modules
+from ..checkpoint import RegionOptions, run_region
+from ..errors import RematError, did_you_mean
+from ..workloads import Workload
+
+__all__: list[str] = []
+
+# Checkpoints a callable: (function, *args) -> output.
+Checkpointer = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a training step: a name, what it does, and how to set a model up."""
+
+    name: str
+    description: str
+    prepare: Callable[[nn.Module, Workload], None]
+
+
+def _torch_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def _torch_sac(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return torch_checkpoint.checkpoint(
+        function, *args, use_reentrant=False, context_fn=_save_matmuls_context, **kwargs
+    )
+
+
+_MATMULS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+}
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
+    # Matrix multiplies and attention are the expensive ops: save their outputs.
+    if op in _MATMULS:
+        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_matmuls_context() -> Any:
+    return torch_checkpoint.create_selective_checkpoint_contexts(_save_matmuls)
+
+
+_REMAT_OPTIONS = RegionOptions()
+
+
+def _remat_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return run_region(function, args, kwargs, _REMAT_OPTIONS)
+
+
+def _wrap(block: nn.Module, checkpointer: Checkpointer) -> None:
+    forward = types.MethodType(type(block).forward, block)
+    block.forward = functools.partial(checkpointer, forward)  # type: ignore[method-assign]
+
+
+def _every(k: int, checkpointer: Checkpointer) -> Callable[[nn.Module, Workload], None]:
+    def prepare(model: nn.Module, workload: Workload) -> None:
+        blocks = [m for _, m in workload.blocks(model)]
+        for block in blocks[::k]:
+            if checkpointer is _remat_checkpoint:
+                remat_modules.checkpoint_wrapper(block)
+            else:
+                _wrap(block, checkpointer)
+
+    return prepare
+
+
+def _segments(count: int, checkpointer: Checkpointer) -> Callable[[nn.Module, Workload], None]:
+    """``checkpoint_sequential`` over the blocks: ``count`` runs, all but the last checkpointed.
+
+    The first block of each checkpointed run executes the whole run inside one region; the
+    others pass their input through, so the model's own loop over its blocks is unchanged.
+    """
+
+    def prepare(model: nn.Module, workload: Workload) -> None:
+        blocks = [m for _, m in workload.blocks(model)]
+        if not 1 <= count <= len(blocks):
+            raise RematError(
+                f"remat bench: {count} segments need at least {count} blocks; "
+                f"{workload.name} has {len(blocks)}."
+            )
+        size = len(blocks) // count
+        for start in range(0, size * (count - 1), size):
+            run = blocks[start : start + size]
+            forwards = [types.MethodType(type(b).forward, b) for b in run]
+            run[0].forward = functools.partial(  # type: ignore[method-assign]
+                checkpointer, functools.partial(_run_all, forwards)
+            )
+            for block in run[1:]:
+                block.forward = _identity  # type: ignore[method-assign]
+
+    return prepare
+
+
+def _run_all(forwards: list[Callable[[Any], Any]], x: Any) -> Any:
+    for forward in forwards:
+        x = forward(x)
+    return x
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _none(model: nn.Module, workload: Workload) -> None:
+    return None
+
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("none", "no checkpointing", _none),
+        Strategy("torch-block", "torch checkpoint, every block", _every(1, _torch_checkpoint)),
+        Strategy("torch-every-2", "torch checkpoint, every 2nd block", _every(2, _torch_checkpoint)),
+        Strategy("torch-sac-mm", "torch SAC saving matmuls, every block", _every(1, _torch_sac)),
+        Strategy("torch-seq-3", "torch checkpoint_sequential, 3 segments", _segments(3, _torch_checkpoint)),
+        Strategy("remat-block", "remat region engine, every block", _every(1, _remat_checkpoint)),
+        Strategy("remat-every-2", "remat region engine, every 2nd block", _every(2, _remat_checkpoint)),
+        Strategy("remat-seq-3", "remat region engine, 3 segments", _segments(3, _remat_checkpoint)),
+    )
+}
+
+
+def get_strategy(name: str) -> Strategy:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise RematError(
+            f"remat bench: unknown strategy {name!r}{did_you_mean(name, list(STRATEGIES))}; "
+            f"expected any of: {', '.join(STRATEGIES)}."
+        ) from None

@@ -1,0 +1,188 @@
+"""The ``remat`` command line: ``remat bench`` compares every strategy on one workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import RematError
+
+__all__: list[str] = []
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="remat", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser(
+        "bench",
+        help="compare activation memory and step time of every strategy on a workload",
+        description=(
+            "Measures each strategy's peak activation memory in a fresh process and all step "
+            "times side by side in one process, and checks each strategy's gradients against a "
+            "plain run bit for bit."
+        ),
+    )
+    bench.add_argument("--workload", default="gpt", help="built-in workload (default: gpt)")
+    bench.add_argument("--size", default="small", help="small or bench (default: small)")
+    bench.add_argument(
+        "--hf", metavar="MODEL", help="a Hugging Face model from its config: gpt2, llama or bert"
+    )
+    bench.add_argument(
+        "--strategies", help="comma-separated strategy names (default: all registered)"
+    )
+    bench.add_argument("--rounds", type=int, default=7, help="timed rounds (default: 7)")
+    bench.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", type=Path, help="JSON output (default: bench-out/NAME.json)")
+    bench.add_argument("--plot", type=Path, help="PNG output (default: bench-out/NAME.png)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--list", action="store_true", help="list strategies and workloads")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _bench(args)
+    except RematError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.strategies import STRATEGIES, get_strategy
+    from .workloads import WORKLOAD_NAMES, get_workload
+
+    if args.list:
+        for s in STRATEGIES.values():
+            print(f"{s.name:16} {s.description}")
+        print("workloads:", ", ".join(WORKLOAD_NAMES), "| --hf: gpt2, llama, bert")
+        return 0
+    if args.hf is not None:
+        from .bench.hf import get_hf_workload
+
+        workload = get_hf_workload(args.hf, args.size)
+        name = f"hf-{args.hf}-{args.size}"
+    else:
+        workload = get_workload(args.workload, args.size)
+        name = f"{args.workload}-{args.size}"
+    strategies = args.strategies.split(",") if args.strategies else list(STRATEGIES)
+    for s in strategies:
+        get_strategy(s)
+    if args.rounds < 1:
+        raise RematError(f"remat bench: --rounds must be at least 1, got {args.rounds}.")
+    if args.device not in ("cpu", "cuda"):
+        raise RematError(f"remat bench: --device must be cpu or cuda, got {args.device!r}.")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RematError("remat bench: --device cuda, but CUDA is not available here.")
+    from .bench import report
+
+    json_path = args.json or Path("bench-out") / f"{name}.json"
+    plot_path = args.plot or Path("bench-out") / f"{name}.png"
+    for path in (json_path, plot_path):
+        report.check_writable(path)
+    _require("rich", "the table and progress bar")
+    _require("matplotlib", "the plot")
+
+    base = {"workload": args.workload, "size": args.size, "hf": args.hf, "seed": args.seed}
+    base["device"] = args.device
+    result = _run(base, strategies, args.rounds, workload, name, not args.no_progress)
+
+    from rich.console import Console
+
+    Console().print(report.table(result))
+    for key, ratio in result.pairwise_time.items():
+        if key.startswith("remat-"):
+            print(f"time {key}: {ratio:.3f}")
+    report.write_json(result, json_path)
+    report.write_plot(result, plot_path)
+    print(f"wrote {json_path} and {plot_path}")
+    return 0
+
+
+def _require(module: str, purpose: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise RematError(
+            f"remat bench: {module} is needed for {purpose}; install it with "
+            "pip install 'remat[bench]'."
+        )
+
+
+def _run(
+    base: dict[str, Any],
+    strategies: list[str],
+    rounds: int,
+    workload: Any,
+    name: str,
+    progress: bool,
+) -> Any:
+    from rich.progress import Progress
+
+    from .bench.report import Result, Row
+    from .bench.strategies import get_strategy
+
+    names = ["none", *[s for s in strategies if s != "none"]]
+    memory: dict[str, dict[str, Any]] = {}
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("memory", total=len(names) + 1)
+        for s in names:
+            bar.update(task, description=f"memory: {s}")
+            memory[s] = _subprocess({**base, "kind": "memory", "strategy": s})
+            bar.advance(task)
+        bar.update(task, description=f"step times: {rounds} rounds x {len(names)} strategies")
+        timing = _subprocess({**base, "kind": "time", "strategies": names, "rounds": rounds})
+        bar.advance(task)
+    plain = memory["none"]["peak_bytes"]
+    rows = [
+        Row(
+            strategy=s,
+            description=get_strategy(s).description,
+            peak_bytes=memory[s]["peak_bytes"],
+            memory_ratio=memory[s]["peak_bytes"] / plain if plain else float("nan"),
+            step_seconds=timing["seconds"][s],
+            time_ratio=timing["ratio"][s],
+            grads_equal=memory[s]["grads_equal"],
+        )
+        for s in names
+    ]
+    return Result(
+        workload=name,
+        description=workload.description,
+        device=base["device"],
+        rounds=timing["rounds"],
+        contended_rounds=timing["contended_rounds"],
+        used_rounds=timing["used_rounds"],
+        rows=rows,
+        pairwise_time=timing["pairwise"],
+    )
+
+
+def _subprocess(request: dict[str, Any]) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "remat.bench.measure", json.dumps(request)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        check=False,
+    )
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise RematError(f"remat bench: a measurement failed ({request['kind']}):\n{tail}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
