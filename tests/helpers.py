@@ -74,7 +74,7 @@ def assert_equal(a: Any, b: Any, what: str = "") -> None:
         assert torch.equal(a, b), f"{what}: max abs diff {(a - b).abs().max().item()}"
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_equal(x, y, f"{what}[{i}]")
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), what

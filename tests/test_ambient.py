@@ -17,7 +17,10 @@ from remat import _ambient
 
 class FakeGenerators:
     def __init__(self) -> None:
-        self.state = [torch.tensor([100], dtype=torch.uint8), torch.tensor([200], dtype=torch.uint8)]
+        self.state = [
+            torch.tensor([100], dtype=torch.uint8),
+            torch.tensor([200], dtype=torch.uint8),
+        ]
         self.initialized = True
 
     def get_rng_state(self, index: int = 0) -> torch.Tensor:
@@ -84,5 +87,7 @@ def test_accelerator_initialised_inside_the_region_raises(fake_cuda: FakeGenerat
         fake_cuda.initialized = True
         return x.sin()
 
-    with pytest.raises(remat.CheckpointError, match=r"initialised cuda for the first time.*init\(\)"):
+    with pytest.raises(
+        remat.CheckpointError, match=r"initialised cuda for the first time.*init\(\)"
+    ):
         remat.checkpoint(fn, torch.randn(2, requires_grad=True))

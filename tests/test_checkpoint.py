@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_equal, assert_records_equal, counting_ops, train
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
+
+from helpers import assert_equal, assert_records_equal, counting_ops, train
 
 
 def _grads(*tensors: torch.Tensor) -> list[torch.Tensor | None]:
@@ -334,7 +335,9 @@ def test_context_fn_with_torch_selective_checkpoint_policy() -> None:
 
     x, w = _leaf(4, 4), _leaf(4, 4)
     run_both(fn, x, w, context_fn=lambda: create_selective_checkpoint_contexts(policy))
-    out = remat.checkpoint(fn, x, w, context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    out = remat.checkpoint(
+        fn, x, w, context_fn=lambda: create_selective_checkpoint_contexts(policy)
+    )
     with counting_ops() as ops:
         out.backward()
     assert ops["sin"] == 1  # the recompute; backward of sin runs cos
@@ -366,7 +369,9 @@ def test_determinism_check_catches_a_shorter_recompute() -> None:
 
     out = remat.checkpoint(fn, _leaf(4), early_stop=False)
     state["extra"] = False
-    with pytest.raises(remat.CheckpointError, match="forward saved 2 tensors; the recompute saved only 1"):
+    with pytest.raises(
+        remat.CheckpointError, match="forward saved 2 tensors; the recompute saved only 1"
+    ):
         out.backward()
 
 
@@ -379,7 +384,9 @@ def test_debug_shows_where_the_operators_diverge() -> None:
 
     out = remat.checkpoint(fn, _leaf(4), debug=True)
     state["cos"] = True
-    with pytest.raises(remat.CheckpointError, match=r"(?s)first difference at #0.*aten\.sin.*aten\.cos"):
+    with pytest.raises(
+        remat.CheckpointError, match=r"(?s)first difference at #0.*aten\.sin.*aten\.cos"
+    ):
         out.backward()
 
 
@@ -431,7 +438,7 @@ def test_norm_running_statistics_update_once(index: int) -> None:
     plain = _NormNet(NORMS[index](), dims)
     wrapped = remat.checkpoint_wrapper(copy.deepcopy(plain))
     shape = (4, 3) + (5,) * dims
-    batches = [(torch.randn(shape), torch.randn(shape[:1] + (6,) + shape[2:])) for _ in range(3)]
+    batches = [(torch.randn(shape), torch.randn((*shape[:1], 6, *shape[2:]))) for _ in range(3)]
     loss = nn.functional.mse_loss
     assert_records_equal(train(plain, batches, loss), train(wrapped, batches, loss))
 
@@ -591,9 +598,9 @@ def test_saved_tensor_read_twice_in_one_backward_raises() -> None:
 
         @staticmethod
         def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            (x,) = ctx.saved_tensors
-            (x,) = ctx.saved_tensors
-            return g * 2
+            first = ctx.saved_tensors
+            second = ctx.saved_tensors
+            return g * 2 + 0 * first[0] * second[0]
 
     out = remat.checkpoint(lambda t: ReadTwice.apply(t.sin()).sum(), _leaf(3))
     with pytest.raises(remat.CheckpointError, match="requested twice in one backward"):

@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_records_equal, train
 from torch import nn
 
 import remat
 from remat.workloads import GPT, WORKLOAD_NAMES, GPTBlock, GPTConfig, get_workload
+
+from helpers import assert_records_equal, train
 
 OPTION_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},

@@ -45,7 +45,7 @@ class WriteGuard(TorchDispatchMode):
     """Redirect writes to external tensors onto throwaway copies; see [ State mutates once ]."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._fresh: set[int] = set()
         self.redirected = 0
 
@@ -96,7 +96,7 @@ class WriteGuard(TorchDispatchMode):
 
     def _register(self, out: Any, fresh: tuple[bool, ...]) -> None:
         results = out if isinstance(out, (tuple, list)) and len(fresh) != 1 else (out,)
-        for result, is_fresh in zip(results, fresh):
+        for result, is_fresh in zip(results, fresh, strict=False):
             if not is_fresh:
                 continue
             for t in result if isinstance(result, (tuple, list)) else (result,):

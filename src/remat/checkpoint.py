@@ -119,7 +119,7 @@ class _OpLog(TorchDispatchMode):
     """Records the operators a run executes, for ``debug=True``."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.ops: list[str] = []
 
     def __torch_dispatch__(
@@ -276,7 +276,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 def _op_diff(forward: list[str], recompute: list[str]) -> str:
     first = next(
-        (i for i, (a, b) in enumerate(zip(forward, recompute)) if a != b),
+        (i for i, (a, b) in enumerate(zip(forward, recompute, strict=False)) if a != b),
         min(len(forward), len(recompute)),
     )
     lo = max(0, first - 3)
@@ -301,7 +301,7 @@ class RegionOptions:
     @classmethod
     def parse(cls, caller: str, options: dict[str, Any]) -> RegionOptions:
         """Options from keyword arguments, raising a :class:`RematError` for any bad one."""
-        names = tuple(f.name for f in fields(cls)) + ("use_reentrant",)
+        names = (*(f.name for f in fields(cls)), "use_reentrant")
         unknown = [k for k in options if k not in names]
         if unknown:
             raise RematError(
@@ -430,12 +430,14 @@ def run_region(
     # but are saved too, so that autograd's version check catches in-place changes to them.
     nested = [
         v
-        for v in pytree.tree_leaves([a for a in (*args, *kwargs.values()) if not isinstance(a, torch.Tensor)])
+        for v in pytree.tree_leaves(
+            [a for a in (*args, *kwargs.values()) if not isinstance(a, torch.Tensor)]
+        )
         if isinstance(v, torch.Tensor)
     ]
     dummy = torch.empty(0, requires_grad=True)
     with _host_offload() if offload_inputs else contextlib.nullcontext():
-        frame.input_node = _SaveInputs.apply(dummy, *tensors, *nested).grad_fn
+        frame.input_node = _SaveInputs.apply(dummy, *tensors, *nested).grad_fn  # type: ignore[no-untyped-call]
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack))

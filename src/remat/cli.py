@@ -60,8 +60,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .workloads import WORKLOAD_NAMES, get_workload
 
     if args.list:
-        for s in STRATEGIES.values():
-            print(f"{s.name:16} {s.description}")
+        for entry in STRATEGIES.values():
+            print(f"{entry.name:16} {entry.description}")
         print("workloads:", ", ".join(WORKLOAD_NAMES), "| --hf: gpt2, llama, bert")
         return 0
     if args.hf is not None:
@@ -73,8 +73,8 @@ def _bench(args: argparse.Namespace) -> int:
         workload = get_workload(args.workload, args.size)
         name = f"{args.workload}-{args.size}"
     strategies = args.strategies.split(",") if args.strategies else list(STRATEGIES)
-    for s in strategies:
-        get_strategy(s)
+    for strategy in strategies:
+        get_strategy(strategy)
     if args.rounds < 1:
         raise RematError(f"remat bench: --rounds must be at least 1, got {args.rounds}.")
     if args.device not in ("cpu", "cuda"):

@@ -14,7 +14,6 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
-import torch
 from torch import nn
 
 from .checkpoint import RegionOptions, run_region
@@ -104,7 +103,7 @@ def checkpoint_wrapper(
             "forward (set by another wrapper or by assignment); remat wraps the class's forward. "
             "Remove the instance attribute first (del module.forward)."
         )
-    module.forward = _CheckpointedForward(module, offload_to_cpu, parsed)  # type: ignore[method-assign]
+    module.forward = _CheckpointedForward(module, offload_to_cpu, parsed)
     return module
 
 
@@ -177,7 +176,9 @@ def apply(
         raise RematError(f"remat.apply: expected an nn.Module, got {type(model).__name__}.")
     RegionOptions.parse("remat.apply", dict(options))
     if not isinstance(offload_to_cpu, bool):
-        raise RematError(f"remat.apply: offload_to_cpu must be True or False, got {offload_to_cpu!r}.")
+        raise RematError(
+            f"remat.apply: offload_to_cpu must be True or False, got {offload_to_cpu!r}."
+        )
     match = _matcher(where, model)
     selected: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
@@ -250,13 +251,10 @@ def checkpoint_sequential(
     not_callable = [i for i, f in enumerate(steps) if not callable(f)]
     if not_callable:
         raise RematError(
-            f"remat.checkpoint_sequential: functions at positions {not_callable} are not "
-            "callable."
+            f"remat.checkpoint_sequential: functions at positions {not_callable} are not callable."
         )
     if isinstance(segments, bool) or not isinstance(segments, int):
-        raise RematError(
-            f"remat.checkpoint_sequential: segments must be an int, got {segments!r}."
-        )
+        raise RematError(f"remat.checkpoint_sequential: segments must be an int, got {segments!r}.")
     if not 1 <= segments <= len(steps):
         raise RematError(
             f"remat.checkpoint_sequential: segments must be between 1 and the number of "
@@ -268,8 +266,7 @@ def checkpoint_sequential(
     return _run_steps(steps[size * (segments - 1) :], input)
 
 
-def _run_steps(steps: list[Callable[..., Any]], x: Any) -> Any:
+def _run_steps(steps: Sequence[Callable[..., Any]], x: Any) -> Any:
     for step in steps:
         x = step(x)
     return x
-

@@ -35,30 +35,48 @@ def _build(name: str, s: dict[str, int]) -> nn.Module:
     common = {"vocab_size": s["vocab"], "num_attention_heads": s["heads"]}
     if name == "gpt2":
         config = tf.GPT2Config(
-            vocab_size=s["vocab"], n_positions=s["seq"], n_embd=s["width"], n_layer=s["layers"],
-            n_head=s["heads"], attn_implementation="eager",
+            vocab_size=s["vocab"],
+            n_positions=s["seq"],
+            n_embd=s["width"],
+            n_layer=s["layers"],
+            n_head=s["heads"],
+            attn_implementation="eager",
         )
-        return tf.GPT2LMHeadModel(config)
+        model: nn.Module = tf.GPT2LMHeadModel(config)
+        return model
     if name == "llama":
         config = tf.LlamaConfig(
-            **common, hidden_size=s["width"], intermediate_size=4 * s["width"],
-            num_hidden_layers=s["layers"], num_key_value_heads=s["heads"],
-            max_position_embeddings=s["seq"], attention_dropout=0.1, attn_implementation="eager",
+            **common,
+            hidden_size=s["width"],
+            intermediate_size=4 * s["width"],
+            num_hidden_layers=s["layers"],
+            num_key_value_heads=s["heads"],
+            max_position_embeddings=s["seq"],
+            attention_dropout=0.1,
+            attn_implementation="eager",
         )
-        return tf.LlamaForCausalLM(config)
+        model = tf.LlamaForCausalLM(config)
+        return model
     config = tf.BertConfig(
-        **common, hidden_size=s["width"], intermediate_size=4 * s["width"],
-        num_hidden_layers=s["layers"], max_position_embeddings=s["seq"],
+        **common,
+        hidden_size=s["width"],
+        intermediate_size=4 * s["width"],
+        num_hidden_layers=s["layers"],
+        max_position_embeddings=s["seq"],
         attn_implementation="eager",
     )
-    return tf.BertForMaskedLM(config)
+    model = tf.BertForMaskedLM(config)
+    return model
 
 
 def _block_types(name: str) -> tuple[type[nn.Module], ...]:
     import transformers as tf
 
-    module = {"gpt2": tf.models.gpt2.modeling_gpt2, "llama": tf.models.llama.modeling_llama,
-              "bert": tf.models.bert.modeling_bert}[name]
+    module = {
+        "gpt2": tf.models.gpt2.modeling_gpt2,
+        "llama": tf.models.llama.modeling_llama,
+        "bert": tf.models.bert.modeling_bert,
+    }[name]
     cls = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "bert": "BertLayer"}[name]
     block: type[nn.Module] = getattr(module, cls)
     return (block,)

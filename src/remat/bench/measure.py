@@ -21,6 +21,7 @@ round as contended; contended rounds are left out while enough clean ones remain
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -44,7 +45,7 @@ def training_step(model: nn.Module, workload: Workload, batch: Any, seed: int) -
     inputs, target = batch
     torch.manual_seed(seed)
     loss = workload.loss_fn(model(inputs), target)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     return loss.detach()
 
 
@@ -63,6 +64,7 @@ def peak_step_bytes(step: Callable[[], Any], device: torch.device) -> int:
         step()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - base)
+    from torch._C._autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -71,7 +73,7 @@ def peak_step_bytes(step: Callable[[], Any], device: torch.device) -> int:
     events.sort(key=lambda e: e.start_ns())
     live = peak = 0
     for event in events:
-        if event.device_type() == torch.autograd.DeviceType.CPU:
+        if event.device_type() == DeviceType.CPU:
             live += event.nbytes()
             peak = max(peak, live)
     return peak
@@ -100,7 +102,7 @@ def memory(workload: Workload, strategy: str, seed: int, device: torch.device) -
     got = training_step(model, workload, batch, seed + 1)
     equal = torch.equal(expected, got) and all(
         p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
-        for p, q in zip(plain.parameters(), model.parameters())
+        for p, q in zip(plain.parameters(), model.parameters(), strict=True)
     )
     return {"peak_bytes": peak, "grads_equal": equal}
 
@@ -146,14 +148,15 @@ def times(
         seconds: dict[str, float] = {}
         busy = False
         for name in order:
-            model = models[name]
-            wall, other = timed_step(lambda: training_step(model, workload, batch, seed), device)
-            _zero_grads(model)
+            wall, other = timed_step(
+                functools.partial(training_step, models[name], workload, batch, seed), device
+            )
+            _zero_grads(models[name])
             seconds[name] = wall
             busy = busy or other
         per_round.append(seconds)
         contended.append(busy)
-    clean = [s for s, c in zip(per_round, contended) if not c]
+    clean = [s for s, c in zip(per_round, contended, strict=True) if not c]
     used = clean if len(clean) >= max(3, rounds // 2) else per_round
     return {
         "rounds": rounds,

@@ -48,8 +48,17 @@ def table(result: Result) -> Any:
     """A rich table of the results."""
     from rich.table import Table
 
-    t = Table(title=f"remat bench: {result.workload} on {result.device}", caption=result.description)
-    for header in ("strategy", "peak act. MiB", "memory vs none", "step s", "time vs none", "grads equal"):
+    t = Table(
+        title=f"remat bench: {result.workload} on {result.device}", caption=result.description
+    )
+    for header in (
+        "strategy",
+        "peak act. MiB",
+        "memory vs none",
+        "step s",
+        "time vs none",
+        "grads equal",
+    ):
         t.add_column(header, justify="left" if header == "strategy" else "right")
     for row in result.rows:
         t.add_row(
@@ -118,12 +127,17 @@ def write_plot(result: Result, path: Path) -> None:
     ys = [r.peak_bytes / MIB for r in result.rows]
     colors = ["tab:green" if r.strategy.startswith("remat") else "tab:blue" for r in result.rows]
     ax.scatter(xs, ys, c=colors, s=40, zorder=3)
-    for r, x, y in zip(result.rows, xs, ys):
+    for r, x, y in zip(result.rows, xs, ys, strict=True):
         ax.annotate(r.strategy, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
-    front = _pareto(list(zip(xs, ys)))
+    front = _pareto(list(zip(xs, ys, strict=True)))
     ax.step(
-        [p[0] for p in front], [p[1] for p in front], where="post", color="gray",
-        linestyle="--", zorder=2, label="Pareto front",
+        [p[0] for p in front],
+        [p[1] for p in front],
+        where="post",
+        color="gray",
+        linestyle="--",
+        zorder=2,
+        label="Pareto front",
     )
     ax.set_xlabel("step time (s, median)")
     ax.set_ylabel("peak activation memory (MiB)")

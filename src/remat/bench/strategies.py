@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +58,9 @@ _MATMULS = {
 }
 
 
-def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
+def _save_matmuls(
+    ctx: Any, op: Any, *args: Any, **kwargs: Any
+) -> torch_checkpoint.CheckpointPolicy:
     # Matrix multiplies and attention are the expensive ops: save their outputs.
     if op in _MATMULS:
         return torch_checkpoint.CheckpointPolicy.MUST_SAVE
@@ -66,7 +68,7 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpo
 
 
 def _save_matmuls_context() -> Any:
-    return torch_checkpoint.create_selective_checkpoint_contexts(_save_matmuls)
+    return torch_checkpoint.create_selective_checkpoint_contexts(_save_matmuls)  # type: ignore[no-untyped-call]
 
 
 _REMAT_OPTIONS = RegionOptions()
@@ -78,7 +80,7 @@ def _remat_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -
 
 def _wrap(block: nn.Module, checkpointer: Checkpointer) -> None:
     forward = types.MethodType(type(block).forward, block)
-    block.forward = functools.partial(checkpointer, forward)  # type: ignore[method-assign]
+    block.forward = functools.partial(checkpointer, forward)
 
 
 def _every(k: int, checkpointer: Checkpointer) -> Callable[[nn.Module, Workload], None]:
@@ -111,16 +113,14 @@ def _segments(count: int, checkpointer: Checkpointer) -> Callable[[nn.Module, Wo
         for start in range(0, size * (count - 1), size):
             run = blocks[start : start + size]
             forwards = [types.MethodType(type(b).forward, b) for b in run]
-            run[0].forward = functools.partial(  # type: ignore[method-assign]
-                checkpointer, functools.partial(_run_all, forwards)
-            )
+            run[0].forward = functools.partial(checkpointer, functools.partial(_run_all, forwards))
             for block in run[1:]:
-                block.forward = _identity  # type: ignore[method-assign]
+                block.forward = _identity
 
     return prepare
 
 
-def _run_all(forwards: list[Callable[[Any], Any]], x: Any) -> Any:
+def _run_all(forwards: Sequence[Callable[[Any], Any]], x: Any) -> Any:
     for forward in forwards:
         x = forward(x)
     return x
@@ -139,11 +139,19 @@ STRATEGIES: dict[str, Strategy] = {
     for s in (
         Strategy("none", "no checkpointing", _none),
         Strategy("torch-block", "torch checkpoint, every block", _every(1, _torch_checkpoint)),
-        Strategy("torch-every-2", "torch checkpoint, every 2nd block", _every(2, _torch_checkpoint)),
+        Strategy(
+            "torch-every-2", "torch checkpoint, every 2nd block", _every(2, _torch_checkpoint)
+        ),
         Strategy("torch-sac-mm", "torch SAC saving matmuls, every block", _every(1, _torch_sac)),
-        Strategy("torch-seq-3", "torch checkpoint_sequential, 3 segments", _segments(3, _torch_checkpoint)),
+        Strategy(
+            "torch-seq-3",
+            "torch checkpoint_sequential, 3 segments",
+            _segments(3, _torch_checkpoint),
+        ),
         Strategy("remat-block", "remat region engine, every block", _every(1, _remat_checkpoint)),
-        Strategy("remat-every-2", "remat region engine, every 2nd block", _every(2, _remat_checkpoint)),
+        Strategy(
+            "remat-every-2", "remat region engine, every 2nd block", _every(2, _remat_checkpoint)
+        ),
         Strategy("remat-seq-3", "remat region engine, 3 segments", _segments(3, _remat_checkpoint)),
     )
 }
