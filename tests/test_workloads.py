@@ -17,7 +17,7 @@ from remat.workloads import SIZES, WORKLOAD_NAMES, Workload, get_workload
 ALL = [(name, size) for name in WORKLOAD_NAMES for size in SIZES]
 
 SMALL_BLOCKS = {
-    "gpt": ["blocks.0", "blocks.1"],
+    "gpt": ["blocks.0", "blocks.1", "blocks.2", "blocks.3"],
     "mlp": ["0", "1", "2", "3"],
     "convnet": ["blocks.0", "blocks.1", "blocks.2", "blocks.3"],
     "unet": ["encoder.0", "encoder.1", "bottleneck", "decoder.0", "decoder.1"],
@@ -183,9 +183,9 @@ def test_blocks_lists_outermost_only() -> None:
     nested = dataclasses.replace(
         wl, block_types=(workloads.GPTBlock, workloads.CausalSelfAttention)
     )
-    assert [n for n, _ in nested.blocks(wl.model())] == ["blocks.0", "blocks.1"]
+    assert [n for n, _ in nested.blocks(wl.model())] == SMALL_BLOCKS["gpt"]
     inner = dataclasses.replace(wl, block_types=(workloads.CausalSelfAttention,))
-    assert [n for n, _ in inner.blocks(wl.model())] == ["blocks.0.attn", "blocks.1.attn"]
+    assert [n for n, _ in inner.blocks(wl.model())] == [f"blocks.{i}.attn" for i in range(4)]
 
 
 def _dropout_rates(module: nn.Module) -> list[float]:

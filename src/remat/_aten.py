@@ -36,6 +36,7 @@ class OpInfo:
     writes: tuple[tuple[int, str], ...]
     # For each result, whether it is a new tensor (not an alias of an argument).
     fresh: tuple[bool, ...]
+    any_fresh: bool
 
 
 _cache: dict[torch._ops.OpOverload, OpInfo] = {}
@@ -48,6 +49,11 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo:
     return info
 
 
+def cached_op_info() -> dict[torch._ops.OpOverload, OpInfo]:
+    """The cache behind :func:`op_info`, for hot paths that look up before calling it."""
+    return _cache
+
+
 def _read_schema(op: torch._ops.OpOverload) -> OpInfo:
     schema = op._schema
     undeclared = UNDECLARED_WRITES.get(schema.name, ())
@@ -58,4 +64,4 @@ def _read_schema(op: torch._ops.OpOverload) -> OpInfo:
     )
     fresh_alias = schema.name in FRESH_ALIASES
     fresh = tuple(ret.alias_info is None or fresh_alias for ret in schema.returns)
-    return OpInfo(writes, fresh)
+    return OpInfo(writes, fresh, any(fresh))

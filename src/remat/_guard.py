@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._aten import op_info
+from ._aten import cached_op_info, op_info
 
 __all__: list[str] = []
 
@@ -47,7 +47,14 @@ class WriteGuard(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._fresh: set[int] = set()
+        self._info = cached_op_info()
         self.redirected = 0
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # The guard runs in eager recomputes only; without this, torch wraps every
+        # __torch_dispatch__ call in a Dynamo-disabling frame, which costs more than the guard.
+        return False
 
     def __torch_dispatch__(
         self,
@@ -56,13 +63,19 @@ class WriteGuard(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        info = op_info(func)
+        if kwargs is None:
+            kwargs = {}
+        info = self._info.get(func) or op_info(func)
         if info.writes:
             args, kwargs = self._redirect(info.writes, args, kwargs)
         out = func(*args, **kwargs)
-        if any(info.fresh):
-            self._register(out, info.fresh)
+        if info.any_fresh:
+            if type(out) is torch.Tensor:
+                key = _storage_key(out)
+                if key is not None:
+                    self._fresh.add(key)
+            else:
+                self._register(out, info.fresh)
         return out
 
     def _is_external(self, value: Any) -> bool:

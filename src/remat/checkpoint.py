@@ -166,7 +166,7 @@ class _Frame:
         } | {k for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         self.input_node: Any = None
         self.slots: list[weakref.ref[_Slot]] = []
-        self.metas: list[_Meta] = []
+        self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.recomputed: dict[int, weakref.WeakKeyDictionary[_Slot, torch.Tensor]] = {}
         self.forward_ops: list[str] | None = [] if debug else None
         self.recomputes = 0
@@ -177,7 +177,7 @@ class _Frame:
         slot = _Slot(len(self.slots))
         self.slots.append(weakref.ref(slot))
         if self.check:
-            self.metas.append(_Meta.of(t))
+            self.metas.append((t.shape, t.dtype, t.device))
         return slot
 
     # -- backward --------------------------------------------------------------------------
@@ -220,9 +220,9 @@ class _Frame:
             index = count
             count += 1
             if index < len(self.slots):
-                if self.check and _Meta.of(t) != self.metas[index]:
+                if self.check and (t.shape, t.dtype, t.device) != self.metas[index]:
                     mismatches.append(
-                        f"  saved tensor {index}: forward {self.metas[index]}, "
+                        f"  saved tensor {index}: forward {_Meta(*self.metas[index])}, "
                         f"recompute {_Meta.of(t)}"
                     )
                 slot = self.slots[index]()

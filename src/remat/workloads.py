@@ -231,7 +231,7 @@ def _gpt_workload(size: str) -> Workload:
         batch_size = 2
     else:
         config = GPTConfig(
-            vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, dropout=0.1
+            vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4, dropout=0.1
         )
         batch_size = 2
     return Workload(
