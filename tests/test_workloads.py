@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from remat import workloads
+from remat.errors import RematError
 from remat.workloads import SIZES, WORKLOAD_NAMES, Workload, get_workload
 
 ALL = [(name, size) for name in WORKLOAD_NAMES for size in SIZES]
@@ -69,14 +70,17 @@ def test_default_size_is_small() -> None:
 
 
 def test_unknown_name() -> None:
-    message = "remat: unknown workload 'gtp'; expected one of: convnet, gpt, mlp, unet"
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+    message = (
+        "remat: unknown workload 'gtp' (did you mean 'gpt'?); expected one of: "
+        "convnet, gpt, mlp, unet"
+    )
+    with pytest.raises(RematError, match=f"^{re.escape(message)}$"):
         get_workload("gtp")
 
 
 def test_unknown_size() -> None:
     message = "remat: unknown size 'huge'; expected one of: bench, small"
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+    with pytest.raises(RematError, match=f"^{re.escape(message)}$"):
         get_workload("gpt", "huge")
 
 

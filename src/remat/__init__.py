@@ -10,6 +10,8 @@ from ._state import is_recomputing as is_recomputing
 from .checkpoint import checkpoint as checkpoint
 from .errors import CheckpointError as CheckpointError
 from .errors import RematError as RematError
+from .explain import SavedTensorReport as SavedTensorReport
+from .explain import explain as explain
 from .modules import apply as apply
 from .modules import checkpoint_sequential as checkpoint_sequential
 from .modules import checkpoint_wrapper as checkpoint_wrapper
@@ -19,11 +21,13 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "RematError",
+    "SavedTensorReport",
     "apply",
     "checkpoint",
     "checkpoint_sequential",
     "checkpoint_wrapper",
     "disable_checkpointing",
+    "explain",
     "is_checkpointing",
     "is_recomputing",
 ]

@@ -10,8 +10,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal, Protocol
+
+import torch
 
 __all__ = ["disable_checkpointing", "is_checkpointing", "is_recomputing"]
+
+
+Decision = Literal["keep", "recompute", "offload"]
+
+
+class SaveObserver(Protocol):
+    """Told of each tensor that remat's own saved-tensor hooks take over (see ``explain``)."""
+
+    def saved(self, t: torch.Tensor, decision: Decision, how: str) -> None: ...
 
 
 class _State(threading.local):
@@ -19,7 +31,9 @@ class _State(threading.local):
         self.checkpointing = False
         self.recomputing = False
         self.disabled = False
-        self.early_stop = True
+        # Set while a region saves its inputs, so that outer hooks can tell them apart.
+        self.saving_region_inputs = False
+        self.observer: SaveObserver | None = None
 
 
 state = _State()

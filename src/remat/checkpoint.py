@@ -178,6 +178,9 @@ class _Frame:
         self.slots.append(weakref.ref(slot))
         if self.check:
             self.metas.append((t.shape, t.dtype, t.device))
+        observer = _state.state.observer
+        if observer is not None:
+            observer.saved(t, "recompute", "region engine")
         return slot
 
     # -- backward --------------------------------------------------------------------------
@@ -436,8 +439,12 @@ def run_region(
         if isinstance(v, torch.Tensor)
     ]
     dummy = torch.empty(0, requires_grad=True)
-    with _host_offload() if offload_inputs else contextlib.nullcontext():
-        frame.input_node = _SaveInputs.apply(dummy, *tensors, *nested).grad_fn  # type: ignore[no-untyped-call]
+    _state.state.saving_region_inputs = True
+    try:
+        with _host_offload() if offload_inputs else contextlib.nullcontext():
+            frame.input_node = _SaveInputs.apply(dummy, *tensors, *nested).grad_fn  # type: ignore[no-untyped-call]
+    finally:
+        _state.state.saving_region_inputs = False
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack))
@@ -459,8 +466,13 @@ def _host_offload() -> torch.autograd.graph.saved_tensors_hooks:
     """
 
     def pack(t: torch.Tensor) -> Any:
+        observer = _state.state.observer
         if t.device.type == "cpu":
+            if observer is not None:
+                observer.saved(t, "keep", "region input, already in host memory")
             return t
+        if observer is not None:
+            observer.saved(t, "offload", "region input, pinned host memory")
         host = torch.empty_like(t, device="cpu", pin_memory=True)
         host.copy_(t, non_blocking=True)
         return (t.device, host)

@@ -72,9 +72,20 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         workload = get_workload(args.workload, args.size)
         name = f"{args.workload}-{args.size}"
-    strategies = args.strategies.split(",") if args.strategies else list(STRATEGIES)
-    for strategy in strategies:
-        get_strategy(strategy)
+    if args.strategies:
+        strategies = args.strategies.split(",")
+        for strategy in strategies:
+            reason = get_strategy(strategy).unsupported(workload)
+            if reason is not None:
+                raise RematError(f"remat bench: strategy {strategy} {reason}.")
+    else:
+        strategies = []
+        for entry in STRATEGIES.values():
+            reason = entry.unsupported(workload)
+            if reason is None:
+                strategies.append(entry.name)
+            else:
+                print(f"skipping {entry.name}: it {reason}")
     if args.rounds < 1:
         raise RematError(f"remat bench: --rounds must be at least 1, got {args.rounds}.")
     if args.device not in ("cpu", "cuda"):
@@ -99,10 +110,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    Console().print(report.table(result))
-    for key, ratio in result.pairwise_time.items():
-        if key.startswith("remat-"):
-            print(f"time {key}: {ratio:.3f}")
+    console = Console()
+    if console.width < 120:
+        console = Console(width=120)
+    console.print(report.table(result))
+    if result.contended_rounds:
+        print(
+            f"note: other processes competed for the CPU in {result.contended_rounds} of "
+            f"{result.rounds} timed rounds; {result.used_rounds} rounds were used."
+        )
     report.write_json(result, json_path)
     report.write_plot(result, plot_path)
     print(f"wrote {json_path} and {plot_path}")
@@ -153,6 +169,8 @@ def _run(
             step_seconds=timing["seconds"][s],
             time_ratio=timing["ratio"][s],
             grads_equal=memory[s]["grads_equal"],
+            counterpart=_counterpart(s, names),
+            counterpart_time_ratio=timing["pairwise"].get(f"{s}/{_counterpart(s, names)}"),
         )
         for s in names
     ]
@@ -166,6 +184,13 @@ def _run(
         rows=rows,
         pairwise_time=timing["pairwise"],
     )
+
+
+def _counterpart(name: str, names: list[str]) -> str | None:
+    from .bench.strategies import get_strategy
+
+    other = get_strategy(name).counterpart
+    return other if other in names else None
 
 
 def _subprocess(request: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .errors import RematError, did_you_mean
+
 __all__ = ["Workload", "get_workload", "WORKLOAD_NAMES", "SIZES"]
 
 WORKLOAD_NAMES: tuple[str, ...] = ("gpt", "mlp", "convnet", "unet")
@@ -67,6 +69,9 @@ class Workload:
     loss_fn: Callable[[Any, Tensor], Tensor]
     block_types: tuple[type[nn.Module], ...]
     description: str
+    blocks_chain: bool = False
+    """Whether each block's output is the next block's input, with nothing in between (what
+    ``checkpoint_sequential`` over the blocks needs)."""
 
     def model(self, seed: int = 0) -> nn.Module:
         """Build the model on the CPU with parameters determined by ``seed``.
@@ -104,9 +109,10 @@ class Workload:
         return found
 
 
-def _unknown(kind: str, value: str, choices: tuple[str, ...]) -> ValueError:
-    return ValueError(
-        f"remat: unknown {kind} {value!r}; expected one of: {', '.join(sorted(choices))}"
+def _unknown(kind: str, value: str, choices: tuple[str, ...]) -> RematError:
+    return RematError(
+        f"remat: unknown {kind} {value!r}{did_you_mean(value, choices)}; expected one of: "
+        f"{', '.join(sorted(choices))}"
     )
 
 
@@ -241,6 +247,7 @@ def _gpt_workload(size: str) -> Workload:
         make_batch=partial(_gpt_batch, batch_size, config.seq_len, config.vocab_size),
         loss_fn=_lm_loss,
         block_types=(GPTBlock,),
+        blocks_chain=True,
         description=(
             f"GPT decoder: {config.n_layers} layers, d_model {config.d_model}, "
             f"{config.n_heads} heads, seq {config.seq_len}, batch {batch_size}, "
@@ -312,6 +319,7 @@ def _mlp_workload(size: str) -> Workload:
         make_batch=partial(_mlp_batch, batch_size, config.width),
         loss_fn=_mse_loss,
         block_types=(MLPBlock,),
+        blocks_chain=True,
         description=(
             f"residual MLP chain: {config.depth} blocks, width {config.width}, "
             f"batch {batch_size}, dropout {config.dropout}"
@@ -624,7 +632,7 @@ def get_workload(name: str, size: str = "small") -> Workload:
     """Return the built-in workload ``name`` at ``size``.
 
     Raises:
-        ValueError: ``name`` is not in :data:`WORKLOAD_NAMES` or ``size`` is not in
+        RematError: ``name`` is not in :data:`WORKLOAD_NAMES` or ``size`` is not in
             :data:`SIZES`.
     """
     if name not in _FACTORIES:

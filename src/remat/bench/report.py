@@ -27,6 +27,8 @@ class Row:
     step_seconds: float
     time_ratio: float
     grads_equal: bool
+    counterpart: str | None = None
+    counterpart_time_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -51,15 +53,9 @@ def table(result: Result) -> Any:
     t = Table(
         title=f"remat bench: {result.workload} on {result.device}", caption=result.description
     )
-    for header in (
-        "strategy",
-        "peak act. MiB",
-        "memory vs none",
-        "step s",
-        "time vs none",
-        "grads equal",
-    ):
-        t.add_column(header, justify="left" if header == "strategy" else "right")
+    headers = ("strategy", "peak act. MiB", "mem vs none", "step s", "time vs none")
+    for header in (*headers, "time vs torch", "grads equal"):
+        t.add_column(header, justify="left" if header == "strategy" else "right", no_wrap=True)
     for row in result.rows:
         t.add_row(
             row.strategy,
@@ -67,20 +63,30 @@ def table(result: Result) -> Any:
             f"{row.memory_ratio:.2f}",
             f"{row.step_seconds:.3f}",
             f"{row.time_ratio:.2f}",
+            _vs(row),
             "yes" if row.grads_equal else "NO",
         )
     return t
 
 
+def _vs(row: Row) -> str:
+    if row.counterpart is None or row.counterpart_time_ratio is None:
+        return ""
+    return f"{row.counterpart_time_ratio:.3f} ({row.counterpart})"
+
+
 def markdown(result: Result) -> str:
+    """The results as a Markdown table, for the README."""
     lines = [
-        "| strategy | peak activation MiB | memory vs none | step s | time vs none | grads equal |",
-        "|---|---:|---:|---:|---:|---|",
+        "| strategy | peak activation MiB | memory vs none | step s | time vs none "
+        "| time vs torch, same granularity | grads equal |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in result.rows:
         lines.append(
             f"| {r.strategy} | {r.peak_bytes / MIB:,.1f} | {r.memory_ratio:.2f} | "
-            f"{r.step_seconds:.3f} | {r.time_ratio:.2f} | {'yes' if r.grads_equal else 'NO'} |"
+            f"{r.step_seconds:.3f} | {r.time_ratio:.2f} | {_vs(r)} | "
+            f"{'yes' if r.grads_equal else 'NO'} |"
         )
     return "\n".join(lines)
 
@@ -94,8 +100,14 @@ def check_writable(path: Path) -> None:
         raise RematError(f"remat bench: cannot create {directory}: {error.strerror}") from None
     if path.is_dir():
         raise RematError(f"remat bench: {path} is a directory; give a file path.")
-    if not os.access(directory, os.W_OK):
-        raise RematError(f"remat bench: {directory} is not writable; choose another path.")
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.")
+    except OSError as error:
+        raise RematError(
+            f"remat bench: cannot write in {directory} ({error.strerror}); choose another path."
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

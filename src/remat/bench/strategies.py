@@ -30,11 +30,23 @@ Checkpointer = Callable[..., Any]
 
 @dataclass(frozen=True)
 class Strategy:
-    """One way to run a training step: a name, what it does, and how to set a model up."""
+    """One way to run a training step: a name, what it does, and how to set a model up.
+
+    ``counterpart`` names the baseline that works at the same granularity, against which the
+    benchmark reports this strategy's time.
+    """
 
     name: str
     description: str
     prepare: Callable[[nn.Module, Workload], None]
+    counterpart: str | None = None
+    needs_chain: bool = False
+
+    def unsupported(self, workload: Workload) -> str | None:
+        """Why this strategy cannot run on ``workload``, or None if it can."""
+        if self.needs_chain and not workload.blocks_chain:
+            return f"needs blocks that feed each other directly, which {workload.name} lacks"
+        return None
 
 
 def _torch_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -104,6 +116,11 @@ def _segments(count: int, checkpointer: Checkpointer) -> Callable[[nn.Module, Wo
 
     def prepare(model: nn.Module, workload: Workload) -> None:
         blocks = [m for _, m in workload.blocks(model)]
+        if not workload.blocks_chain:
+            raise RematError(
+                f"remat bench: segments need blocks that feed each other directly; "
+                f"{workload.name} has operations between its blocks."
+            )
         if not 1 <= count <= len(blocks):
             raise RematError(
                 f"remat bench: {count} segments need at least {count} blocks; "
@@ -147,12 +164,27 @@ STRATEGIES: dict[str, Strategy] = {
             "torch-seq-3",
             "torch checkpoint_sequential, 3 segments",
             _segments(3, _torch_checkpoint),
+            needs_chain=True,
         ),
-        Strategy("remat-block", "remat region engine, every block", _every(1, _remat_checkpoint)),
         Strategy(
-            "remat-every-2", "remat region engine, every 2nd block", _every(2, _remat_checkpoint)
+            "remat-block",
+            "remat region engine, every block",
+            _every(1, _remat_checkpoint),
+            "torch-block",
         ),
-        Strategy("remat-seq-3", "remat region engine, 3 segments", _segments(3, _remat_checkpoint)),
+        Strategy(
+            "remat-every-2",
+            "remat region engine, every 2nd block",
+            _every(2, _remat_checkpoint),
+            "torch-every-2",
+        ),
+        Strategy(
+            "remat-seq-3",
+            "remat region engine, 3 segments",
+            _segments(3, _remat_checkpoint),
+            "torch-seq-3",
+            needs_chain=True,
+        ),
     )
 }
 

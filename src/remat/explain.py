@@ -1,0 +1,361 @@
+"""``remat.explain``: what a forward pass saves for backward, and what remat does with it.
+
+People debug out-of-memory errors from allocator snapshots because nothing says what autograd
+saved, where, and why. :func:`explain` runs one forward pass and lists every tensor saved for
+backward: the module it was saved in, the operator that produced it, its shape, dtype and size,
+and its fate: kept, recomputed by remat (and by which engine), or offloaded. It is to eager
+PyTorch what ``jax.ad_checkpoint.print_saved_residuals`` is to traced JAX.
+
+How each fact is found:
+
+* **saved tensors**: an outermost ``saved_tensors_hooks`` sees what plain autograd keeps; inside
+  remat's regions remat's own hooks take over and report each tensor to the active observer
+  (``_state.SaveObserver``) with the decision they make.
+* **producing operator**: a ``TorchDispatchMode`` remembers, for each storage, the last operator
+  that allocated or wrote it (so a dropout mask is the ``bernoulli_`` that filled it, not the
+  ``empty_like`` that made it), and the module it ran in. A saved view is attributed to the
+  operator behind its storage. Tensors made before the forward pass are ``input`` or
+  ``parameter``. Storages are held weakly and told apart from later storages at the same
+  address, so what the forward pass frees is not confused with what it allocates next.
+* **module**: forward pre- and post-hooks keep the stack of qualified module names.
+
+The forward pass runs under a forked random state, and when a module is given its buffers are
+restored afterwards, so explaining a model does not change its training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _state
+from ._aten import cached_op_info, op_info
+from .errors import RematError
+
+__all__ = ["SavedTensor", "SavedTensorReport", "explain"]
+
+SortKey = Literal["order", "bytes", "module", "op", "decision"]
+_SORT_KEYS = ("order", "bytes", "module", "op", "decision")
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor saved for backward during the explained forward pass."""
+
+    order: int
+    module: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    bytes: int  # the tensor's own elements; see ``storage_bytes`` for what it keeps alive
+    storage_bytes: int
+    shared: bool  # its storage was already listed by an earlier row
+    kind: Literal["activation", "parameter", "input"]
+    decision: _state.Decision
+    how: str
+
+
+@dataclass(frozen=True)
+class ModuleTotals:
+    """Bytes saved in one module, by unique storage, split by what remat does with them."""
+
+    kept_bytes: int = 0
+    recomputed_bytes: int = 0
+    offloaded_bytes: int = 0
+    tensors: int = 0
+
+
+@dataclass(frozen=True)
+class SavedTensorReport:
+    """Every tensor saved for backward in one forward pass; printable, sortable, exportable.
+
+    Totals count each storage once and leave parameters out: they are held anyway.
+    """
+
+    rows: list[SavedTensor] = field(default_factory=list)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Activation bytes autograd holds between forward and backward."""
+        return self._total("keep")
+
+    @property
+    def recomputed_bytes(self) -> int:
+        """Activation bytes remat drops in forward and rebuilds in backward."""
+        return self._total("recompute")
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Activation bytes remat moves to a slower tier until backward."""
+        return self._total("offload")
+
+    def _total(self, decision: str) -> int:
+        return sum(
+            r.storage_bytes
+            for r in self.rows
+            if r.decision == decision and not r.shared and r.kind != "parameter"
+        )
+
+    def by_module(self) -> dict[str, ModuleTotals]:
+        """Totals per module, in the order modules first saved something."""
+        totals: dict[str, ModuleTotals] = {}
+        for r in self.rows:
+            t = totals.get(r.module, ModuleTotals())
+            size = 0 if r.shared or r.kind == "parameter" else r.storage_bytes
+            totals[r.module] = replace(
+                t,
+                kept_bytes=t.kept_bytes + (size if r.decision == "keep" else 0),
+                recomputed_bytes=t.recomputed_bytes + (size if r.decision == "recompute" else 0),
+                offloaded_bytes=t.offloaded_bytes + (size if r.decision == "offload" else 0),
+                tensors=t.tensors + 1,
+            )
+        return totals
+
+    def sorted(self, by: SortKey = "bytes", descending: bool | None = None) -> SavedTensorReport:
+        """The same rows sorted by a column (``bytes`` descending by default)."""
+        if by not in _SORT_KEYS:
+            raise RematError(
+                f"remat.explain: cannot sort by {by!r}; expected one of {', '.join(_SORT_KEYS)}."
+            )
+        reverse = (by == "bytes") if descending is None else descending
+        return SavedTensorReport(sorted(self.rows, key=lambda r: getattr(r, by), reverse=reverse))
+
+    def table(self, limit: int | None = None) -> str:
+        """A text table of the rows (the first ``limit``), then totals by module."""
+        header = ("#", "module", "op", "shape", "dtype", "MiB", "remat")
+        lines = [
+            (
+                str(r.order),
+                r.module or "(top)",
+                r.op,
+                "x".join(map(str, r.shape)) or "scalar",
+                r.dtype.replace("torch.", ""),
+                f"{r.bytes / 2**20:.3f}" + ("*" if r.shared else ""),
+                f"{r.decision} ({r.how})",
+            )
+            for r in self.rows[:limit]
+        ]
+        widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+        out = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+        out += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
+        if limit is not None and len(self.rows) > limit:
+            out.append(f"... {len(self.rows) - limit} more rows")
+        out.append("* storage shared with an earlier row, counted once in totals")
+        out.append("")
+        out.append("totals by module (MiB): kept / recomputed / offloaded")
+        for name, t in self.by_module().items():
+            out.append(
+                f"  {name or '(top)'}: {t.kept_bytes / 2**20:.3f} / "
+                f"{t.recomputed_bytes / 2**20:.3f} / {t.offloaded_bytes / 2**20:.3f}"
+            )
+        out.append(
+            f"total: kept {self.kept_bytes / 2**20:.3f} MiB, recomputed "
+            f"{self.recomputed_bytes / 2**20:.3f} MiB, offloaded "
+            f"{self.offloaded_bytes / 2**20:.3f} MiB"
+        )
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rows": [asdict(r) for r in self.rows],
+            "by_module": {k: asdict(v) for k, v in self.by_module().items()},
+            "kept_bytes": self.kept_bytes,
+            "recomputed_bytes": self.recomputed_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+
+def _key(t: torch.Tensor) -> int | None:
+    if t.layout is not torch.strided or type(t) not in (torch.Tensor, nn.Parameter):
+        return None
+    return int(t.untyped_storage()._cdata)
+
+
+class _StorageMap:
+    """Storage -> value, for storages still alive; a freed storage's address may be reused."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[StorageWeakRef, Any]] = {}
+
+    def set(self, t: torch.Tensor, value: Any) -> None:
+        key = _key(t)
+        if key is not None:
+            self._items[key] = (StorageWeakRef(t.untyped_storage()), value)  # type: ignore[no-untyped-call]
+
+    def get(self, t: torch.Tensor) -> Any:
+        key = _key(t)
+        item = self._items.get(key) if key is not None else None
+        if item is None or item[0].expired():  # type: ignore[no-untyped-call]
+            return None
+        return item[1]
+
+
+class _Producers(TorchDispatchMode):
+    """Remembers which operator, in which module, allocated each storage."""
+
+    def __init__(self, modules: list[str]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.modules = modules
+        self.producer = _StorageMap()
+        self._info = cached_op_info()
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        info = self._info.get(func) or op_info(func)
+        name = func.overloadpacket.__name__
+        for position, arg_name in info.writes:
+            target = args[position] if position < len(args) else kwargs.get(arg_name)
+            if isinstance(target, torch.Tensor):
+                self.producer.set(target, (name, self.modules[-1]))
+        if info.any_fresh:
+            results = out if isinstance(out, (tuple, list)) else (out,)
+            for t in results:
+                if isinstance(t, torch.Tensor):
+                    self.producer.set(t, (name, self.modules[-1]))
+        return out
+
+
+class _Explainer:
+    def __init__(self, params: set[int], producers: _Producers, modules: list[str]) -> None:
+        self.params = params
+        self.producers = producers
+        self.modules = modules
+        self.rows: list[SavedTensor] = []
+        self.seen = _StorageMap()
+
+    def saved(self, t: torch.Tensor, decision: _state.Decision, how: str) -> None:
+        key = _key(t)
+        shared = self.seen.get(t) is not None
+        self.seen.set(t, True)
+        produced = self.producers.producer.get(t)
+        if key is not None and key in self.params:
+            kind: Literal["activation", "parameter", "input"] = "parameter"
+            op = "parameter"
+        elif produced is not None:
+            kind, op = "activation", produced[0]
+        else:
+            kind, op = "input", "input"
+        self.rows.append(
+            SavedTensor(
+                order=len(self.rows),
+                module=self.modules[-1],
+                op=op,
+                shape=tuple(t.shape),
+                dtype=str(t.dtype),
+                device=str(t.device),
+                bytes=t.numel() * t.element_size(),
+                storage_bytes=t.untyped_storage().nbytes() if key is not None else 0,
+                shared=shared,
+                kind=kind,
+                decision=decision,
+                how=how,
+            )
+        )
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        how = "region input" if _state.state.saving_region_inputs else "autograd"
+        self.saved(t, "keep", how)
+        return t
+
+
+@contextlib.contextmanager
+def _module_stack(model: nn.Module | None, stack: list[str]) -> Iterator[None]:
+    if model is None:
+        yield
+        return
+    handles = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+
+        def pre(m: nn.Module, args: Any, name: str = name) -> None:
+            stack.append(name)
+
+        def post(m: nn.Module, args: Any, out: Any) -> None:
+            stack.pop()
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def explain(
+    model_or_fn: nn.Module | Callable[..., Any], *inputs: Any, **kwargs: Any
+) -> SavedTensorReport:
+    """Run one forward pass of ``model_or_fn(*inputs, **kwargs)`` and report what it saves.
+
+    Returns a :class:`SavedTensorReport`: one row per tensor saved for backward, with module,
+    producing operator, shape, dtype, bytes, and what remat does with it. Print it for a table;
+    ``.sorted("bytes")``, ``.by_module()``, ``.to_json()`` for the rest.
+
+    The pass runs with gradients enabled and no backward; the random state is restored after it,
+    and so are the buffers of a module (BatchNorm statistics), so explaining changes nothing.
+
+    Example::
+
+        report = remat.explain(model, tokens)
+        print(report.sorted("bytes").table(limit=20))
+    """
+    if not callable(model_or_fn):
+        raise RematError(
+            f"remat.explain: expected a module or a function, got {type(model_or_fn).__name__}."
+        )
+    if _state.state.observer is not None:
+        raise RematError("remat.explain: already explaining on this thread; calls do not nest.")
+    model = model_or_fn if isinstance(model_or_fn, nn.Module) else None
+    modules = [""]
+    params = {key for p in (model.parameters() if model is not None else ()) if (key := _key(p))}
+    buffers = {n: b.clone() for n, b in model.named_buffers()} if model is not None else {}
+    producers = _Producers(modules)
+    explainer = _Explainer(params, producers, modules)
+    _state.state.observer = explainer
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=[]))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(_module_stack(model, modules))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(explainer.pack, _same))
+            stack.enter_context(producers)
+            model_or_fn(*inputs, **kwargs)
+    finally:
+        _state.state.observer = None
+        if model is not None:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    if name in buffers:
+                        b.copy_(buffers[name])
+    return SavedTensorReport(explainer.rows)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t

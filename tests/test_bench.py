@@ -1,0 +1,102 @@
+"""The benchmark's parts: strategies, measurement, report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import remat
+from remat.bench import measure, report
+from remat.bench.strategies import STRATEGIES, get_strategy
+from remat.workloads import WORKLOAD_NAMES, get_workload
+
+
+def test_peak_of_a_known_allocation_is_exact() -> None:
+    def step() -> None:
+        a = torch.empty(1024, 1024)  # 4 MiB
+        b = torch.empty(256, 1024)  # 1 MiB, while a is alive
+        del a, b
+        torch.empty(512, 1024)  # 2 MiB, after both are freed
+
+    assert measure.peak_step_bytes(step, torch.device("cpu")) == 5 * 2**20
+
+
+@pytest.mark.parametrize("name", WORKLOAD_NAMES)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_every_strategy_is_exact_or_says_why_it_cannot_run(name: str, strategy: str) -> None:
+    workload = get_workload(name, "small")
+    entry = get_strategy(strategy)
+    if entry.unsupported(workload) is not None:
+        with pytest.raises(remat.RematError, match="feed each other directly"):
+            entry.prepare(workload.model(), workload)
+        return
+    result = measure.memory(workload, strategy, seed=0, device=torch.device("cpu"))
+    assert result["grads_equal"] is True
+    assert result["peak_bytes"] > 0
+
+
+def test_checkpointing_every_block_lowers_the_peak() -> None:
+    workload = get_workload("gpt", "small")
+    cpu = torch.device("cpu")
+    plain = measure.memory(workload, "none", 0, cpu)["peak_bytes"]
+    torch_block = measure.memory(workload, "torch-block", 0, cpu)["peak_bytes"]
+    remat_block = measure.memory(workload, "remat-block", 0, cpu)["peak_bytes"]
+    assert remat_block <= torch_block < plain
+
+
+def test_times_reports_ratios_for_every_strategy() -> None:
+    workload = get_workload("mlp", "small")
+    result = measure.times(workload, ["remat-block"], 0, torch.device("cpu"), rounds=3)
+    assert set(result["ratio"]) == {"none", "remat-block"} and result["ratio"]["none"] == 1.0
+    assert result["used_rounds"] == 3 or result["contended_rounds"] > 0
+
+
+def test_unknown_strategy_suggests_a_name() -> None:
+    with pytest.raises(remat.RematError, match="did you mean 'remat-block'"):
+        get_strategy("remat-blok")
+
+
+def _result() -> report.Result:
+    rows = [
+        report.Row("none", "no checkpointing", 100 * 2**20, 1.0, 1.0, 1.0, True),
+        report.Row("remat-block", "x", 20 * 2**20, 0.2, 1.4, 1.4, True, "torch-block", 1.01),
+        report.Row("torch-block", "y", 20 * 2**20, 0.2, 1.39, 1.39, True),
+        report.Row("slow", "z", 50 * 2**20, 0.5, 2.0, 2.0, False),
+    ]
+    return report.Result("gpt-small", "a GPT", "cpu", 3, 0, 3, rows, {})
+
+
+def test_pareto_front() -> None:
+    points = [(1.0, 100.0), (1.4, 20.0), (1.39, 20.0), (2.0, 50.0), (1.2, 60.0)]
+    assert report._pareto(points) == [(1.0, 100.0), (1.2, 60.0), (1.39, 20.0)]
+
+
+def test_json_and_plot_are_written(tmp_path: Path) -> None:
+    result = _result()
+    report.write_json(result, tmp_path / "out.json")
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert [r["strategy"] for r in data["rows"]] == ["none", "remat-block", "torch-block", "slow"]
+    assert data["rows"][1]["counterpart_time_ratio"] == 1.01
+    report.write_plot(result, tmp_path / "out.png")
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "out.png"]
+
+
+def test_markdown_table() -> None:
+    text = report.markdown(_result())
+    assert "| remat-block | 20.0 | 0.20 | 1.400 | 1.40 | 1.010 (torch-block) | yes |" in text
+    assert "| slow | 50.0 | 0.50 | 2.000 | 2.00 |  | NO |" in text
+
+
+def test_check_writable(tmp_path: Path) -> None:
+    report.check_writable(tmp_path / "sub" / "out.json")
+    assert (tmp_path / "sub").is_dir() and list((tmp_path / "sub").iterdir()) == []
+    with pytest.raises(remat.RematError, match="is a directory"):
+        report.check_writable(tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(remat.RematError, match="cannot create"):
+        report.check_writable(blocker / "out.json")

@@ -1,0 +1,89 @@
+"""``remat bench`` from the command line: a real run, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from remat import cli
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    code, out, err = _run(
+        capsys,
+        "bench",
+        "--workload", "gpt",
+        "--strategies", "torch-block,remat-block",
+        "--rounds", "2",
+        "--json", str(out_json),
+        "--plot", str(out_png),
+        "--no-progress",
+    )  # fmt: skip
+    assert code == 0, err
+    data = json.loads(out_json.read_text())
+    assert [r["strategy"] for r in data["rows"]] == ["none", "torch-block", "remat-block"]
+    assert all(r["grads_equal"] for r in data["rows"])
+    assert data["rows"][2]["counterpart"] == "torch-block"
+    assert data["rows"][1]["peak_bytes"] < data["rows"][0]["peak_bytes"]
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+    assert "remat-block" in out and "time vs torch" in out
+
+
+BAD: list[tuple[list[str], str]] = [
+    (["--workload", "gtp"], "unknown workload 'gtp' (did you mean 'gpt'?)"),
+    (["--size", "huge"], "unknown size 'huge'"),
+    (["--strategies", "none,remat-blok"], "unknown strategy 'remat-blok'"),
+    (["--workload", "unet", "--strategies", "torch-seq-3"], "feed each other directly"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--hf", "gpt3"], "unknown --hf model 'gpt3'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "never.json"
+    code, _, err = _run(capsys, "bench", *argv, "--json", str(out_json), "--no-progress")
+    assert code == 2
+    assert err.count("\n") == 1 and message in err and err.startswith("error: remat")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hf_without_transformers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        return None if name == "transformers" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    code, _, err = _run(capsys, "bench", "--hf", "gpt2", "--json", str(tmp_path / "x.json"))
+    assert code == 2 and "--hf needs the transformers package" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, _, err = _run(capsys, "bench", "--plot", str(blocker / "x.png"), "--no-progress")
+    assert code == 2 and "cannot create" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def test_list(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "bench", "--list")
+    assert code == 0 and "remat-block" in out and "workloads: gpt, mlp, convnet, unet" in out
