@@ -100,3 +100,15 @@ def test_check_writable(tmp_path: Path) -> None:
     blocker.write_text("")
     with pytest.raises(remat.RematError, match="cannot create"):
         report.check_writable(blocker / "out.json")
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama", "bert"])
+def test_hugging_face_models_from_config_are_exact(model: str) -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    from remat.bench.hf import get_hf_workload
+
+    workload = get_hf_workload(model, "small")
+    assert len(workload.blocks(workload.model())) == 2
+    for strategy in ("torch-block", "remat-block"):
+        result = measure.memory(workload, strategy, seed=0, device=torch.device("cpu"))
+        assert result["grads_equal"] is True

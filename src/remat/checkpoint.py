@@ -169,7 +169,6 @@ class _Frame:
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.recomputed: dict[int, weakref.WeakKeyDictionary[_Slot, torch.Tensor]] = {}
         self.forward_ops: list[str] | None = [] if debug else None
-        self.recomputes = 0
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -237,7 +236,6 @@ class _Frame:
             return t.detach()
 
         log = _OpLog() if self.forward_ops is not None else None
-        self.recomputes += 1
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))

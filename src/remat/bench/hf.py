@@ -30,6 +30,8 @@ def _shape(size: str) -> dict[str, int]:
 
 
 def _build(name: str, s: dict[str, int]) -> nn.Module:
+    # use_cache=False as for any training run: a key/value cache is state that a recompute
+    # would extend a second time (remat's determinism check reports it if it is left on).
     import transformers as tf
 
     common = {"vocab_size": s["vocab"], "num_attention_heads": s["heads"]}
@@ -40,6 +42,7 @@ def _build(name: str, s: dict[str, int]) -> nn.Module:
             n_embd=s["width"],
             n_layer=s["layers"],
             n_head=s["heads"],
+            use_cache=False,
             attn_implementation="eager",
         )
         model: nn.Module = tf.GPT2LMHeadModel(config)
@@ -53,6 +56,7 @@ def _build(name: str, s: dict[str, int]) -> nn.Module:
             num_key_value_heads=s["heads"],
             max_position_embeddings=s["seq"],
             attention_dropout=0.1,
+            use_cache=False,
             attn_implementation="eager",
         )
         model = tf.LlamaForCausalLM(config)
