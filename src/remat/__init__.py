@@ -4,6 +4,7 @@ For each tensor autograd saves for backward, remat keeps it, or drops it and reb
 backward, with gradients bit-identical to a plain run.
 """
 
+from . import policies as policies
 from ._state import disable_checkpointing as disable_checkpointing
 from ._state import is_checkpointing as is_checkpointing
 from ._state import is_recomputing as is_recomputing
@@ -12,6 +13,8 @@ from .errors import CheckpointError as CheckpointError
 from .errors import RematError as RematError
 from .explain import SavedTensorReport as SavedTensorReport
 from .explain import explain as explain
+from .graph import region as region
+from .graph import tag as tag
 from .modules import apply as apply
 from .modules import checkpoint_sequential as checkpoint_sequential
 from .modules import checkpoint_wrapper as checkpoint_wrapper
@@ -30,4 +33,7 @@ __all__ = [
     "explain",
     "is_checkpointing",
     "is_recomputing",
+    "policies",
+    "region",
+    "tag",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -34,6 +34,8 @@ class _State(threading.local):
         # Set while a region saves its inputs, so that outer hooks can tell them apart.
         self.saving_region_inputs = False
         self.observer: SaveObserver | None = None
+        # The graph-engine region recording on this thread, if any.
+        self.graph: Any = None
 
 
 state = _State()

@@ -55,6 +55,7 @@ from ._ambient import Ambient
 from ._guard import WriteGuard
 from ._types import ContextFn
 from .errors import CheckpointError, RematError, did_you_mean
+from .policies import Policy
 
 __all__ = ["RegionOptions", "checkpoint"]
 
@@ -298,6 +299,7 @@ class RegionOptions:
     determinism_check: DeterminismCheck = "default"
     early_stop: bool = True
     debug: bool = False
+    policy: Policy | None = None
 
     @classmethod
     def parse(cls, caller: str, options: dict[str, Any]) -> RegionOptions:
@@ -328,6 +330,28 @@ class RegionOptions:
                 f"{caller}: context_fn must be a callable returning two context managers "
                 f"(forward, recompute), got {type(self.context_fn).__name__}."
             )
+        if self.policy is not None:
+            if not callable(self.policy):
+                raise RematError(
+                    f"{caller}: policy must be a callable (ctx, op, *args, **kwargs) -> "
+                    f"Decision, got {type(self.policy).__name__}; see remat.policies."
+                )
+            region_only = [
+                name
+                for name, default in (
+                    ("preserve_rng_state", True),
+                    ("context_fn", None),
+                    ("early_stop", True),
+                    ("debug", False),
+                )
+                if getattr(self, name) != default
+            ]
+            if region_only:
+                raise RematError(
+                    f"{caller}: {', '.join(region_only)} apply to the region engine, but a "
+                    "policy selects the graph engine, which always replays random ops exactly "
+                    "and rebuilds only what backward needs. Drop them or drop the policy."
+                )
         if self.determinism_check not in _DETERMINISM_CHECKS:
             raise RematError(
                 f"{caller}: determinism_check must be one of {_DETERMINISM_CHECKS}, got "
@@ -345,6 +369,7 @@ def checkpoint(
     early_stop: bool = True,
     debug: bool = False,
     use_reentrant: bool | None = None,
+    policy: Policy | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping what it saves for backward.
@@ -373,6 +398,10 @@ def checkpoint(
             diverge when the determinism check fails.
         use_reentrant: accepted for drop-in use with ``torch.utils.checkpoint``; only ``False``
             (or leaving it out) is allowed.
+        policy: decide per ATen op whether to save its output or recompute it (see
+            :mod:`remat.policies`). A policy runs the function under the graph engine
+            (``remat.graph``): its ops are recorded, and backward replays only the recorded
+            ops that the tensor it needs depends on, never the Python around them.
 
     Under ``torch.no_grad()`` and inside :func:`~remat.disable_checkpointing` the function runs
     plainly. See the notes [ Life of a saved tensor in a region ] and [ Nested regions ] in this
@@ -393,6 +422,7 @@ def checkpoint(
             "early_stop": early_stop,
             "debug": debug,
             "use_reentrant": use_reentrant,
+            "policy": policy,
         },
     )
     return run_region(function, args, kwargs, options)
@@ -404,11 +434,18 @@ def run_region(
     kwargs: dict[str, Any],
     options: RegionOptions,
     offload_inputs: bool = False,
+    module_names: dict[int, str] | None = None,
 ) -> Any:
     """:func:`checkpoint` with validated options; ``offload_inputs`` keeps the region's inputs
     in host memory until backward."""
     if not torch.is_grad_enabled() or _state.state.disabled:
         return function(*args, **kwargs)
+    if options.policy is not None:
+        from .graph import recording
+
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        with recording(options.policy, tensors, module_names, offload_inputs):
+            return function(*args, **kwargs)
 
     forward_context, recompute_context = (
         options.context_fn()

@@ -42,7 +42,10 @@ class _CheckpointedForward:
         if module is None:
             raise RematError("remat: the module of this checkpointed forward was freed.")
         forward = types.MethodType(type(module).forward, module)
-        return run_region(forward, args, kwargs, self.options, self.offload_to_cpu)
+        names = None
+        if self.options.policy is not None:
+            names = {id(m): name or type(m).__name__ for name, m in module.named_modules()}
+        return run_region(forward, args, kwargs, self.options, self.offload_to_cpu, names)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward:
         # copy.deepcopy(model) copies the module before its __dict__, so the copy is in memo.

@@ -24,9 +24,9 @@ storage:
 2. The tracker learns of the free from a weak reference to the storage's Python object, whose
    callback runs when the storage itself is destroyed. PyTorch keeps a storage's Python object
    alive exactly as long as the C++ storage, so the callback fires when the last holder lets go,
-   whoever that is: a tensor, a view, or a shallow copy that autograd keeps in C++ (a saved
-   output is held as ``tensor_data()``, a new tensor object whose Python side never exists).
-   Counting live tensor objects per storage would miss those copies and report frees early.
+   whoever that is: a tensor, a view, or a shallow copy made in C++ that never gets a Python
+   object (without hooks, autograd saves an operator's output as such a copy). Counting live
+   tensor objects per storage would miss those copies and report frees early.
    The callback runs inside the storage's destructor, before its address can be reused, so a
    key never names two storages at once.
 3. Storages that existed before entry are not counted when they appear; but when one the
@@ -35,20 +35,32 @@ storage:
    saved), the live level drops by its size, as the allocator's would.
 4. The tracker holds no tensor and no storage: only weak references, sizes and names.
 
-Blind spots: memory that a kernel allocates and frees before it returns (e.g. a contiguous copy
-of an expanded argument inside ``mm``) never appears as an operator result, so it is invisible
-here while ``torch.profiler``'s memory events see it; so the tracker's peak can be below the
-profiler's by the largest such temporary live at the peak. Storages made outside the
-dispatcher (``torch.from_numpy``) and resizes of storages made before entry are not seen;
-``torch.tensor(data)`` is counted when it is lifted into the dispatcher. Tensor subclasses,
-sparse and meta tensors are not counted. Older tensors freed without the tracker having seen
-them do not lower the level. The books describe eager execution; compiled graphs are not
-covered.
+Blind spots. Memory that a kernel allocates and frees before it returns (a contiguous copy of
+an expanded argument inside ``mm``, a scratch buffer of LayerNorm's backward kernel) never
+appears as an operator result: ``torch.profiler``'s memory events see it, the tracker does not,
+so its peak can be lower than the profiler's by the scratch memory live at the peak. Tensors
+made without an operator are not seen either: the random-generator states that remat regions
+keep for their recompute (``torch.get_rng_state()``, 5,056 bytes each for the CPU
+generator), Python numbers wrapped as tensors for one operator. ``torch.tensor(data)`` and
+``torch.from_numpy`` are counted when they are lifted into the dispatcher. Tensor subclasses,
+sparse and meta tensors are not counted, and older tensors freed without the tracker having
+seen them do not lower the level. The books describe eager execution, not compiled graphs.
 
 On CUDA the same books are kept, and the caching allocator is asked as well: at exit,
 ``max_memory_allocated - memory_allocated`` at entry is reported as ``allocator_peak_bytes``.
 The allocator rounds every block up (to 512 bytes) and sees kernel workspaces, so its figure is
 the larger. Peak statistics are reset on entry, which clobbers any outer measurement.
+
+NOTE [ Model state apart from activations ]
+
+Parameters, buffers and gradients of the model given, and the optimizer's state, are measured
+at entry and exit. Every storage in the books is also classified: a gradient when autograd
+stores it in ``.grad`` (a post-accumulate-grad hook on each parameter), optimizer state after
+each ``optimizer.step()`` (a step post-hook), and once more at exit. Each change of the live
+bytes is logged as (storage, bytes), so at exit the log is replayed leaving out model state:
+``activation_peak_bytes`` is the peak of activations and temporaries alone, exactly, wherever
+the gradients and optimizer state were allocated. Gradients of tensors that are not parameters
+(``x.grad`` of an input) are activations here.
 
 NOTE [ What counts as saved ]
 
@@ -60,9 +72,11 @@ activations. Each saved storage is attributed to:
 
 * the module whose forward was running when it was saved (innermost, qualified name as in
   ``model.named_modules()``; ``""`` for the model's own code, ``"<outside>"`` outside the model's
-  forward, ``"<backward>"`` during backward);
+  forward, ``"<backward>"`` during backward, ``"<recompute>"`` in the recompute of a remat
+  region);
 * the operator that produced it: the last operator that allocated or wrote its storage before
-  it was saved (so a dropout mask is the ``bernoulli_`` that filled it). A saved view is the
+  it was saved (so a dropout mask is the in-place operator that last wrote it, not the
+  ``empty_like`` that made it; ``remat.explain`` uses the same rule). A saved view is the
   operator behind its storage; a storage from before entry is ``"<input>"``. The alternative,
   the operator whose autograd node saved it, cannot be read reliably from hooks: autograd saves
   an operator's inputs before the operator runs and its outputs after, and an
@@ -102,6 +116,7 @@ __all__ = ["MemoryReport", "MemoryTracker", "ModelState", "TimelineSample"]
 
 OUTSIDE = "<outside>"
 BACKWARD = "<backward>"
+RECOMPUTE = "<recompute>"
 INPUT = "<input>"
 
 # What a storage holds, for telling activations from model state.
@@ -399,6 +414,8 @@ class _Ledger:
     # -- storages ----------------------------------------------------------------------------
 
     def module(self) -> str:
+        if _state.state.recomputing:
+            return RECOMPUTE
         if self.modules:
             return self.modules[-1][1]
         return BACKWARD if torch._C._current_graph_task_id() != -1 else OUTSIDE
@@ -409,13 +426,13 @@ class _Ledger:
 
     def allocate(self, storage: torch.UntypedStorage, device: str, op: str) -> None:
         nbytes = storage.nbytes()
-        if nbytes == 0:
-            return
         with self.lock:
+            # An empty storage is entered too: an out= operator or resize_ may grow it later.
             record = self._enter(storage, nbytes, device, op, self.module(), pre_entry=False)
-            self.allocated[device] = self.allocated.get(device, 0) + nbytes
-            self.allocations[device] = self.allocations.get(device, 0) + 1
-            self._change(record, nbytes)
+            if nbytes:
+                self.allocated[device] = self.allocated.get(device, 0) + nbytes
+                self.allocations[device] = self.allocations.get(device, 0) + 1
+                self._change(record, nbytes)
 
     def adopt(self, storage: torch.UntypedStorage, device: str, kind: int = _ACTIVATION) -> _Record:
         """Enter a storage from before entry, so that its free lowers the level."""
@@ -424,7 +441,8 @@ class _Ledger:
             if ref is not None:
                 record = ref.record
             else:
-                record = self._enter(storage, storage.nbytes(), device, INPUT, "", pre_entry=True)
+                nbytes = storage.nbytes()
+                record = self._enter(storage, nbytes, device, INPUT, OUTSIDE, pre_entry=True)
             if kind != _ACTIVATION:
                 record.kind = kind
             return record
@@ -448,8 +466,9 @@ class _Ledger:
         with self.lock:
             delta = nbytes - record.nbytes
             record.nbytes = nbytes
-            if not record.pre_entry:
-                self._change(record, delta)
+            if delta > 0:
+                self.allocated[record.device] = self.allocated.get(record.device, 0) + delta
+            self._change(record, delta)
 
     def _freed(self, ref: weakref.ref[torch.UntypedStorage]) -> None:
         assert isinstance(ref, _StorageRef)
@@ -524,11 +543,19 @@ class _Ledger:
                 peak.setdefault(device, 0)
         return peak
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Stop counting: frees from now on happen after the region."""
         with self.lock:
             self.closed = True
-            # Dropping the references drops their callbacks: nothing calls back after exit.
+
+    def release(self) -> None:
+        """Forget every storage. Dropping the references drops their callbacks too."""
+        with self.lock:
             self.refs.clear()
+            self.records.clear()
+            self.log_serial = array.array("q")
+            self.log_delta = array.array("q")
+            self.samples = None
 
 
 # -- operators -------------------------------------------------------------------------------
@@ -583,8 +610,11 @@ class _AllocationMode(TorchDispatchMode):
                     ledger.resized(record, nbytes)
                 continue
             if inputs is None:
-                inputs = self._argument_storages(args, kwargs)
-            if storage._cdata in inputs and func._schema.name not in FRESH_ALIASES:
+                # lift_fresh returns its argument, a tensor just made outside the dispatcher
+                # (torch.tensor(data)): new to the program although it aliases an argument.
+                fresh_alias = func._schema.name in FRESH_ALIASES
+                inputs = set() if fresh_alias else self._argument_storages(args, kwargs)
+            if storage._cdata in inputs:
                 continue  # an alias of an argument made before entry
             ledger.allocate(storage, str(t.device), name)
         return out
@@ -598,7 +628,7 @@ class _AllocationMode(TorchDispatchMode):
             if storage is None:
                 continue
             keys.add(storage._cdata)
-            if ledger.known(storage) is None and storage.nbytes():
+            if ledger.known(storage) is None:
                 ledger.adopt(storage, str(t.device))
         return keys
 
@@ -687,13 +717,17 @@ def _cuda_ready() -> bool:
 
 
 class _CudaAllocator:
-    """``max_memory_allocated`` and ``memory_allocated`` deltas for every CUDA device."""
+    """``max_memory_allocated`` and ``memory_allocated`` deltas for every CUDA device.
+
+    The caching allocator updates these counters on the host, when a block is handed out or
+    returned, so they need no synchronisation (which would also create a context on every
+    device it touches).
+    """
 
     def __init__(self) -> None:
         self.base: dict[int, int] = {}
         if _cuda_ready():
             for index in range(torch.cuda.device_count()):
-                torch.cuda.synchronize(index)
                 self.base[index] = torch.cuda.memory_allocated(index)
                 torch.cuda.reset_peak_memory_stats(index)
 
@@ -707,7 +741,6 @@ class _CudaAllocator:
         for index in range(torch.cuda.device_count()):
             # A device first used inside the region had nothing allocated at entry.
             base = self.base.get(index, 0)
-            torch.cuda.synchronize(index)
             peak = torch.cuda.max_memory_allocated(index) - base
             name = f"cuda:{index}"
             if peak > 0 or name in seen:
@@ -739,9 +772,10 @@ class MemoryTracker:
         print(report.summary())
         report.peak_bytes["cpu"], report.saved_bytes_by_module["blocks.0.attn"]
 
-    A tracker measures one region, on the thread that enters it (and autograd's threads,
-    which inherit its state); trackers do not nest. How storages are counted and what counts as
-    saved: see the notes at the top of ``remat.track``.
+    Inside the region, :meth:`live_bytes` reads the current level. A tracker measures one
+    region, on the thread that enters it (and autograd's threads, which inherit its state); one
+    tracker is active at a time, so trackers do not nest. How storages are counted and what
+    counts as saved: see the notes at the top of ``remat.track``.
     """
 
     def __init__(
@@ -848,13 +882,14 @@ class MemoryTracker:
     def _finish(self) -> MemoryReport:
         ledger = self._ledger
         assert ledger is not None and self._entry is not None and self._cuda is not None
+        ledger.stop()
         duration = time.perf_counter() - ledger.start
         allocator_peaks, allocator_ends = self._cuda.read(ledger.live)
         state = _ModelState(self.model, self.optimizer)
         state.classify(ledger)
         activation = ledger.activation_peaks()
-        ledger.close()
         samples = ledger.samples or []
+        ledger.release()
         return MemoryReport(
             duration_seconds=duration,
             peak_bytes=dict(sorted(ledger.peak.items())),
@@ -885,7 +920,7 @@ class MemoryTracker:
         with self._ledger.lock:
             if device is None:
                 return sum(self._ledger.live.values())
-            return self._ledger.live.get(str(torch.device(device)), 0)
+            return self._ledger.live.get(_device_name(torch.device(device)), 0)
 
     def report(self) -> MemoryReport:
         """What was measured; available after the ``with`` block."""
@@ -895,6 +930,13 @@ class MemoryTracker:
                 "tracker.report() after it (live_bytes() works inside)."
             )
         return self._report
+
+
+def _device_name(device: torch.device) -> str:
+    """``"cuda"`` names the current CUDA device, as tensors on it do: ``"cuda:0"``."""
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
 
 
 def _pack(ledger: _Ledger) -> Any:

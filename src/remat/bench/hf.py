@@ -32,7 +32,7 @@ def _shape(size: str) -> dict[str, int]:
 def _build(name: str, s: dict[str, int]) -> nn.Module:
     # use_cache=False as for any training run: a key/value cache is state that a recompute
     # would extend a second time (remat's determinism check reports it if it is left on).
-    import transformers as tf
+    tf = _transformers()
 
     common = {"vocab_size": s["vocab"], "num_attention_heads": s["heads"]}
     if name == "gpt2":
@@ -73,8 +73,14 @@ def _build(name: str, s: dict[str, int]) -> nn.Module:
     return model
 
 
+def _transformers() -> Any:
+    import importlib
+
+    return importlib.import_module("transformers")
+
+
 def _block_types(name: str) -> tuple[type[nn.Module], ...]:
-    import transformers as tf
+    tf = _transformers()
 
     module = {
         "gpt2": tf.models.gpt2.modeling_gpt2,

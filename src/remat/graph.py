@@ -1,0 +1,675 @@
+"""The graph engine: record a region's ATen ops, replay only what backward needs.
+
+In forward, a ``TorchDispatchMode`` records each operator of the region as a node: the op, its
+arguments as references to earlier node results, region inputs or constants, the module it ran
+in, and, for random ops, the generator state it consumed. A policy decides per op whether its
+result is kept. Autograd's saved tensors are packed as references to node results; in backward,
+unpacking one replays the smallest set of recorded ops it depends on, never the Python around
+them, and intermediates live only while a pending saved tensor still needs them. The design
+follows the op-graph checkpointing note behind ``references/graph-based-ac.txt``.
+
+NOTE [ Replay identity ]
+
+A tensor seen in forward is identified by its TensorImpl and its version counter:
+
+1. an op's new result gets a reference ``Ref(node, k)`` at the version it was created with;
+2. an op that writes a tensor in place (``bernoulli_``, ``div_``, ``out=``) produces a new
+   state of it: the tensor's reference becomes ``Ref(write_node, ("w", position))`` at the new
+   version, and the write node takes the old state as its argument;
+3. a tensor read at another version than the one its reference was made at (it was written
+   through a view or another alias since) is *stale*: it cannot be rebuilt from its reference,
+   so it is held as it is, and copied before any later write to its storage reaches it;
+4. a tensor made outside the region is *external*: region inputs come back through the
+   region's saved inputs (Rule 2 of the nesting note in ``checkpoint.py``); others
+   (parameters, captured tensors) are held, and their version is checked when replayed;
+5. an op that writes an external tensor (BatchNorm statistics) runs on a snapshot of it taken
+   in forward, in forward state, so a replay never writes live tensors and reads what the op
+   read then.
+
+NOTE [ Life of a replayed tensor ]
+
+1. forward: a node whose decision is *save* keeps its results; others keep none.
+2. region exit: kept results that no saved tensor can reach are dropped.
+3. first unpack in a backward (graph task ``g``): the cone of every saved tensor still alive is
+   computed, with a use count per result: one per consuming node in the cone, one per slot.
+4. unpack of slot ``s``: the missing part of its cone is replayed in recording order; each
+   result is cached while its use count is positive and dropped when it reaches zero; the
+   slot's tensor is handed to autograd and its count decremented.
+5. a backward that never asks for a slot leaves nothing cached: the counts belong to ``g``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _state
+from ._aten import cached_op_info, op_info
+from .errors import CheckpointError, RematError
+from .policies import Decision, OpContext, as_decision, must_save_reason, resolve
+
+__all__: list[str] = []
+
+# A result index; ("w", position) for a written argument; ("l", index, item) in a list result.
+Key = int | tuple[str, int] | tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor state in the recorded graph: result ``key`` of node ``node``."""
+
+    node: int
+    key: Key
+
+
+@dataclass(frozen=True)
+class _Input:
+    index: int  # position among the region's tensor inputs
+
+
+@dataclass(frozen=True)
+class _External:
+    """A tensor from outside the region, held; its version is checked at replay."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+@dataclass
+class _Held:
+    """A tensor held by reference (stale read or kept result); copied before it is written."""
+
+    tensor: torch.Tensor
+
+
+@dataclass
+class Node:
+    op: torch._ops.OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    module: str
+    decision: Decision
+    writes: tuple[tuple[int, str], ...]
+    rng: list[tuple[Any, torch.Tensor]] | None = None  # (generator, state) before the op
+    kept: dict[Key, _Held] = field(default_factory=dict)
+
+
+class _Packed:
+    """What autograd holds for one tensor saved in a graph region."""
+
+    __slots__ = ("__weakref__", "ref")
+
+    def __init__(self, ref: Ref | _Input | _Held) -> None:
+        self.ref = ref
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """How a tensor alive in forward is known: its reference, at which version, which object."""
+
+    ref: Ref | _Input
+    version: int
+    tensor: weakref.ref[torch.Tensor]
+
+
+def _key(t: torch.Tensor) -> int:
+    return int(t._cdata)
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    if t.layout is not torch.strided:
+        return None
+    return int(t.untyped_storage()._cdata)
+
+
+class Graph:
+    """The recorded ops of one forward run of a graph-engine region."""
+
+    def __init__(self, policies: list[Any], inputs: list[torch.Tensor]) -> None:
+        self.policies = policies
+        self.nodes: list[Node] = []
+        # TensorImpl address -> how that tensor is known; see [ Replay identity ].
+        self.current: dict[int, _Entry] = {}
+        self.input_node: Any = None
+        for i, t in enumerate(inputs):
+            if _key(t) not in self.current:
+                self.current[_key(t)] = _Entry(_Input(i), t._version, weakref.ref(t))
+        self.held: dict[int, list[_Held]] = {}  # storage -> values held by reference
+        self.packed: list[weakref.ref[_Packed]] = []
+        self.uses: dict[int, dict[Ref, int]] = {}  # graph task -> remaining uses
+        self.cache: dict[int, dict[Ref, torch.Tensor]] = {}
+        self.ran: dict[int, set[int]] = {}
+        self.modules: list[str] = [""]
+        self.in_attention = 0
+
+    def lookup(self, t: torch.Tensor) -> _Entry | None:
+        """The entry for ``t`` if it is the tensor the entry was made for (addresses recur)."""
+        entry = self.current.get(_key(t))
+        return entry if entry is not None and entry.tensor() is t else None
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def hold(self, t: torch.Tensor) -> _Held:
+        held = _Held(t)
+        storage = _storage(t)
+        if storage is not None:
+            self.held.setdefault(storage, []).append(held)
+        return held
+
+    def _before_write(self, t: torch.Tensor) -> None:
+        # Copy-on-write for values held by reference: see [ Replay identity ] 3.
+        storage = _storage(t)
+        if storage is not None and storage in self.held:
+            for held in self.held.pop(storage):
+                held.tensor = held.tensor.clone()
+
+    def arg(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        entry = self.lookup(value)
+        if entry is not None and entry.version == value._version:
+            return entry.ref
+        if entry is not None:  # stale
+            return self.hold(value.detach())
+        return _External(value, value._version)
+
+    def record(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        info = cached_op_info().get(func) or op_info(func)
+        node_args = pytree.tree_map(self.arg, args)
+        node_kwargs = pytree.tree_map(self.arg, kwargs)
+        # Writes to external tensors run on snapshots, in forward and in replay alike.
+        for position, name in info.writes:
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(target, torch.Tensor):
+                recorded = node_args[position] if position < len(args) else node_kwargs[name]
+                if isinstance(recorded, _External):
+                    snapshot = _Held(target.detach().clone())
+                    if position < len(args):
+                        node_args = (*node_args[:position], snapshot, *node_args[position + 1 :])
+                    else:
+                        node_kwargs = {**node_kwargs, name: snapshot}
+                else:
+                    self._before_write(target)
+        rng = _capture_rng(func, args, kwargs)
+        out = func(*args, **kwargs)
+        index = len(self.nodes)
+        module = self.modules[-1]
+        decision = self._decide(func, args, kwargs, out, module)
+        node = Node(func, node_args, node_kwargs, module, decision, info.writes, rng)
+        self.nodes.append(node)
+        # Autograd bumps the version of each written tensor after this returns: bind the
+        # written states at the version they will have when the next op reads them.
+        written = {
+            _key(t): position
+            for position, name in info.writes
+            if isinstance(
+                t := args[position] if position < len(args) else kwargs.get(name), torch.Tensor
+            )
+        }
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        for k, result in enumerate(results):
+            if isinstance(result, torch.Tensor):
+                self._bind(result, Ref(index, k), node, _key(result) in written)
+                written.pop(_key(result), None)
+            elif isinstance(result, (tuple, list)):
+                for j, t in enumerate(result):
+                    if isinstance(t, torch.Tensor):
+                        self._bind(t, Ref(index, ("l", k, j)), node, _key(t) in written)
+        for position, name in info.writes:
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if (
+                isinstance(target, torch.Tensor)
+                and _key(target) in written
+                and self.lookup(target) is not None
+            ):
+                self._bind(target, Ref(index, ("w", position)), node, True)
+        return out
+
+    def _bind(self, t: torch.Tensor, ref: Ref, node: Node, written: bool) -> None:
+        self.current[_key(t)] = _Entry(ref, t._version + written, weakref.ref(t))
+        if node.decision.save:
+            node.kept[ref.key] = self.hold(t.detach())
+
+    def _decide(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, module: str
+    ) -> Decision:
+        size = sum(
+            t.numel() * t.element_size()
+            for t in pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor)
+        )
+        ctx = OpContext(module=module, output_bytes=size, in_attention=self.in_attention > 0)
+        decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
+        decision = resolve(decisions, func, module)
+        reason = must_save_reason(func)
+        if reason is not None:
+            if decision is Decision.MUST_RECOMPUTE:
+                raise RematError(
+                    f"remat: a policy says MUST_RECOMPUTE for {func} in module "
+                    f"{module or '(top)'}, which cannot be replayed safely: {reason}. Return "
+                    "PREFER_RECOMPUTE (it yields to saving here) or MUST_SAVE for it."
+                )
+            return Decision.MUST_SAVE
+        return decision
+
+    def retag(self, t: torch.Tensor, name: str) -> None:
+        """``remat.tag``: ask the policies again about the op behind ``t``, with its name."""
+        entry = self.lookup(t)
+        if entry is None or not isinstance(entry.ref, Ref):
+            return
+        node = self.nodes[entry.ref.node]
+        ctx = OpContext(module=node.module, tags=frozenset({name}))
+        decisions = [as_decision(p(ctx, node.op), p, node.op) for p in self.policies]
+        decision = resolve(decisions, node.op, node.module)
+        if decision.save and not node.decision.save:
+            node.decision = decision
+            node.kept[entry.ref.key] = self.hold(t.detach())
+
+    # -- packing -------------------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> _Packed:
+        entry = self.lookup(t)
+        if entry is not None and entry.version == t._version:
+            packed = _Packed(entry.ref)
+        else:
+            packed = _Packed(self.hold(t.detach()))
+        self.packed.append(weakref.ref(packed))
+        observer = _state.state.observer
+        if observer is not None:
+            saved = (
+                isinstance(packed.ref, Ref) and packed.ref.key in self.nodes[packed.ref.node].kept
+            )
+            decision: _state.Decision = (
+                "keep" if saved or isinstance(packed.ref, _Held) else "recompute"
+            )
+            observer.saved(t, decision, "graph engine")
+        return packed
+
+    def finish(self) -> None:
+        """Region exit: drop kept results that no saved tensor can reach."""
+        reached: set[Ref] = set()
+        for ref in self._alive_refs():
+            reached.add(ref)
+            reached |= self._cone(ref)[1]
+        for index, node in enumerate(self.nodes):
+            node.kept = {k: v for k, v in node.kept.items() if Ref(index, k) in reached}
+        self.current = {}
+        self.held = {}
+
+    def _alive_refs(self) -> Iterator[Ref]:
+        for ref in self.packed:
+            packed = ref()
+            if packed is not None and isinstance(packed.ref, Ref):
+                yield packed.ref
+
+    def _cone(self, ref: Ref) -> tuple[list[int], set[Ref]]:
+        """The nodes to replay to rebuild ``ref`` (ascending), and the kept results they read."""
+        seen: set[int] = set()
+        kept: set[Ref] = set()
+        stack = [ref]
+        while stack:
+            r = stack.pop()
+            node = self.nodes[r.node]
+            if r.key in node.kept:
+                kept.add(r)
+                continue
+            if r.node in seen:
+                continue
+            seen.add(r.node)
+            stack.extend(_refs_in((node.args, node.kwargs)))
+        return sorted(seen), kept
+
+    # -- replay ----------------------------------------------------------------------------------
+
+    def unpack(self, packed: _Packed) -> torch.Tensor:
+        ref = packed.ref
+        if isinstance(ref, _Held):
+            return ref.tensor
+        if isinstance(ref, _Input):
+            return self.input_node.saved_tensors[ref.index]  # type: ignore[no-any-return]
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            task = next(_outside_backward)
+        if task not in self.uses:
+            self._count_uses(task)
+        value = self._materialize(ref, task)
+        self._use(ref, task)
+        return value
+
+    def _count_uses(self, task: int) -> None:
+        uses: dict[Ref, int] = {}
+        nodes: set[int] = set()
+        for ref in self._alive_refs():
+            uses[ref] = uses.get(ref, 0) + 1
+            nodes.update(self._cone(ref)[0])
+        for index in nodes:
+            node = self.nodes[index]
+            for a in _refs_in((node.args, node.kwargs)):
+                uses[a] = uses.get(a, 0) + 1
+        self.uses[task] = uses
+        self.cache[task] = {}
+        self.ran[task] = set()
+
+    def _use(self, ref: Ref, task: int) -> None:
+        uses = self.uses[task]
+        uses[ref] -= 1
+        if uses[ref] <= 0:
+            self.cache[task].pop(ref, None)
+
+    def _value(self, ref: Ref, task: int) -> torch.Tensor | None:
+        kept = self.nodes[ref.node].kept.get(ref.key)
+        if kept is not None:
+            return kept.tensor
+        return self.cache[task].get(ref)
+
+    def _materialize(self, ref: Ref, task: int) -> torch.Tensor:
+        value = self._value(ref, task)
+        if value is not None:
+            return value
+        cache, ran = self.cache[task], self.ran[task]
+        with _replaying():
+            for index in self._cone(ref)[0]:
+                if index not in ran:
+                    ran.add(index)
+                    self._run(index, self.nodes[index], task, cache)
+        value = self._value(ref, task)
+        if value is None:
+            raise CheckpointError(
+                f"remat: replay did not rebuild {ref} ({self.nodes[ref.node].op})."
+            )
+        return value
+
+    def _shared(self, ref: Ref, t: torch.Tensor, task: int) -> bool:
+        """Whether writing ``t`` in place would change a value something else still needs."""
+        uses = self.uses[task]
+        if uses.get(ref, 0) > 1 or ref.key in self.nodes[ref.node].kept:
+            return True
+        storage = _storage(t)
+        return any(
+            other != ref and uses.get(other, 0) > 0 and _storage(value) == storage
+            for other, value in self.cache[task].items()
+        )
+
+    def _run(self, index: int, node: Node, task: int, cache: dict[Ref, torch.Tensor]) -> None:
+        uses = self.uses[task]
+        written = {position for position, _ in node.writes}
+
+        def resolve_arg(value: Any, position: int | None = None) -> Any:
+            if isinstance(value, Ref):
+                t = self._value(value, task)
+                if t is None:
+                    raise CheckpointError(
+                        f"remat: replaying {node.op} in {node.module or '(top)'} needs a result "
+                        f"of {self.nodes[value.node].op} that is gone."
+                    )
+                if position in written and self._shared(value, t, task):
+                    t = t.clone()  # another consumer still needs the state before this write
+                return t
+            if isinstance(value, _Input):
+                return self.input_node.saved_tensors[value.index]
+            if isinstance(value, _External):
+                if value.tensor._version != value.version:
+                    raise CheckpointError(
+                        f"remat: {node.op} in {node.module or '(top)'} read a tensor from outside "
+                        "the region that was modified in place after the forward pass; its "
+                        "recomputed result would differ. Keep it unmodified until backward, or "
+                        "save this op's result (MUST_SAVE)."
+                    )
+                return value.tensor
+            if isinstance(value, _Held):
+                return value.tensor.clone() if position in written else value.tensor
+            return value
+
+        args = tuple(
+            resolve_arg(a, i)
+            if isinstance(a, (Ref, _Input, _External, _Held))
+            else pytree.tree_map(resolve_arg, a)
+            for i, a in enumerate(node.args)
+        )
+        kwargs = {k: pytree.tree_map(resolve_arg, v) for k, v in node.kwargs.items()}
+        with _replay_rng(node.rng):
+            out = node.op(*args, **kwargs)
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        for k, result in enumerate(results):
+            if isinstance(result, torch.Tensor):
+                cache[Ref(index, k)] = result
+            elif isinstance(result, (tuple, list)):
+                for j, t in enumerate(result):
+                    cache[Ref(index, ("l", k, j))] = t
+        for position in written:
+            target = args[position] if position < len(args) else None
+            if isinstance(target, torch.Tensor):
+                cache[Ref(index, ("w", position))] = target
+        for a in _refs_in((node.args, node.kwargs)):
+            self._use(a, task)
+        for r in [r for r in cache if r.node == index and uses.get(r, 0) <= 0]:
+            del cache[r]
+
+
+_outside_backward = itertools.count(-2, -1)
+
+
+def _refs_in(tree: Any) -> Iterator[Ref]:
+    for leaf in pytree.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, (Ref, _Input, _External, _Held))
+    ):
+        if isinstance(leaf, Ref):
+            yield leaf
+
+
+@contextlib.contextmanager
+def _replaying() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+def _capture_rng(
+    func: Any, args: Any, kwargs: dict[str, Any]
+) -> list[tuple[Any, torch.Tensor]] | None:
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return None
+    generator = kwargs.get("generator")
+    if generator is not None:
+        return [(generator, generator.get_state())]
+    devices = {t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    device = kwargs.get("device")
+    if device is not None:
+        devices.add(torch.device(device))
+    states: list[tuple[Any, torch.Tensor]] = []
+    for d in devices or {torch.device("cpu")}:
+        generator = torch.default_generator if d.type == "cpu" else _device_generator(d)
+        states.append((generator, generator.get_state()))
+    return states
+
+
+def _device_generator(device: torch.device) -> Any:
+    module = getattr(torch, device.type)
+    index = device.index if device.index is not None else module.current_device()
+    return module.default_generators[index]
+
+
+@contextlib.contextmanager
+def _replay_rng(states: list[tuple[Any, torch.Tensor]] | None) -> Iterator[None]:
+    if states is None:
+        yield
+        return
+    current = [(g, g.get_state()) for g, _ in states]
+    try:
+        for generator, state in states:
+            generator.set_state(state)
+        yield
+    finally:
+        for generator, state in current:
+            generator.set_state(state)
+
+
+class _AttentionScope(TorchFunctionMode):
+    """Counts how deep the region is inside ``scaled_dot_product_attention`` calls."""
+
+    def __init__(self, graph: Graph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        self.graph.in_attention += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.graph.in_attention -= 1
+
+
+class Recorder(TorchDispatchMode):
+    """Records every op of a graph-engine region into its :class:`Graph`."""
+
+    def __init__(self, graph: Graph) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.graph = graph
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return self.graph.record(func, args, kwargs or {})
+
+
+@contextlib.contextmanager
+def _module_names(graph: Graph, names: dict[int, str]) -> Iterator[None]:
+    """Keep ``graph.modules`` as the stack of module names being run, on this thread."""
+    thread = threading.get_ident()
+
+    def pre(module: torch.nn.Module, args: Any) -> None:
+        if threading.get_ident() == thread:
+            graph.modules.append(names.get(id(module), type(module).__name__))
+
+    def post(module: torch.nn.Module, args: Any, out: Any) -> None:
+        if threading.get_ident() == thread and len(graph.modules) > 1:
+            graph.modules.pop()
+
+    handles = [
+        torch.nn.modules.module.register_module_forward_pre_hook(pre),
+        torch.nn.modules.module.register_module_forward_hook(post, always_call=True),
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def recording(
+    policy: Any,
+    inputs: list[torch.Tensor],
+    module_names: dict[int, str] | None = None,
+    offload_inputs: bool = False,
+) -> Iterator[None]:
+    """A graph-engine region around a block of code; see the notes above.
+
+    ``inputs`` are the region's tensor inputs, saved so that an enclosing region manages them;
+    ``module_names`` maps ``id(module)`` to the name to report for ops run inside it.
+    """
+    from .checkpoint import _host_offload, _SaveInputs
+
+    active = _state.state.graph
+    if active is not None:
+        # Nested graph regions share the outer recording; their policy joins the stack.
+        active.policies.append(policy)
+        try:
+            yield
+        finally:
+            active.policies.pop()
+        return
+    graph = Graph([policy], inputs)
+    dummy = torch.empty(0, requires_grad=True)
+    _state.state.saving_region_inputs = True
+    try:
+        with _host_offload() if offload_inputs else contextlib.nullcontext():
+            graph.input_node = _SaveInputs.apply(dummy, *inputs).grad_fn  # type: ignore[no-untyped-call]
+    finally:
+        _state.state.saving_region_inputs = False
+    _state.state.graph = graph
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(graph.pack, graph.unpack))
+            stack.enter_context(_state.checkpointing())
+            stack.enter_context(_module_names(graph, module_names or {}))
+            stack.enter_context(_AttentionScope(graph))
+            stack.enter_context(Recorder(graph))
+            yield
+    finally:
+        _state.state.graph = None
+    graph.finish()
+
+
+def tag(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Name ``t`` for policies such as ``remat.policies.save_tagged(name)``; returns ``t``.
+
+    Inside a graph-engine region the policies are asked again about the op that produced ``t``,
+    now with ``ctx.tags == {name}``; outside one, nothing happens.
+    """
+    if not isinstance(t, torch.Tensor) or not isinstance(name, str):
+        raise RematError(
+            f"remat.tag: expected (tensor, name: str), got ({type(t).__name__}, "
+            f"{type(name).__name__})."
+        )
+    graph = _state.state.graph
+    if graph is not None:
+        graph.retag(t, name)
+    return t
+
+
+@contextlib.contextmanager
+def region(*, policy: Any) -> Iterator[None]:
+    """Run a block of code as a graph-engine region with ``policy``.
+
+    ::
+
+        with remat.region(policy=remat.policies.save_matmuls):
+            h = block(x)
+
+    Tensors the block reads from outside are held as they are (the region has no inputs to
+    hand to an enclosing region); under ``torch.no_grad()`` and inside
+    :func:`~remat.disable_checkpointing` the block runs plainly.
+    """
+    if not callable(policy):
+        raise RematError(
+            f"remat.region: policy must be a callable (ctx, op, *args, **kwargs) -> Decision, "
+            f"got {type(policy).__name__}; see remat.policies."
+        )
+    if not torch.is_grad_enabled() or _state.state.disabled:
+        yield
+        return
+    with recording(policy, []):
+        yield

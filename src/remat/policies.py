@@ -1,0 +1,267 @@
+"""Per-operator decisions: save an op's output for backward, or drop it and recompute it.
+
+A policy is called once per ATen operator of a graph-engine region, in forward, as
+``policy(ctx, op, *args, **kwargs)`` — the signature of a ``torch.utils.checkpoint`` selective
+checkpointing policy, so such a policy works unchanged — and returns a :class:`Decision`, a
+``torch.utils.checkpoint.CheckpointPolicy``, or a bool (``True`` means ``MUST_SAVE``, ``False``
+``PREFER_RECOMPUTE``, as in torch).
+
+NOTE [ Deciding with several policies ]
+
+Regions nest, and each may carry a policy: the decisions for one op form a stack, innermost
+last.
+
+1. ``MUST_*`` beats ``PREFER_*``: the decision of the innermost region that says ``MUST_*``
+   wins over every ``PREFER_*``.
+2. Two different ``MUST_*`` decisions for the same op raise :class:`~remat.RematError`: no
+   silent choice between two requirements.
+3. Among ``PREFER_*`` decisions, the innermost region's wins.
+4. Some ops must be saved whatever the policies say (see ``must_save_reason``): their result
+   could change in a recompute (``nonzero``, ``unique``, ``topk`` and ``sort`` used for
+   routing, device syncs, collectives, ops with side effects). ``PREFER_RECOMPUTE`` yields to
+   that; ``MUST_RECOMPUTE`` on such an op raises, naming the op and the module.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .errors import RematError
+
+__all__ = [
+    "Decision",
+    "OpContext",
+    "Policy",
+    "must",
+    "recompute_attention_core",
+    "recompute_everything",
+    "save_everything",
+    "save_if_any",
+    "save_matmuls",
+    "save_smaller_than",
+    "save_tagged",
+]
+
+aten = torch.ops.aten
+
+
+class Decision(enum.Enum):
+    """What to do with one op's output."""
+
+    MUST_SAVE = "must_save"
+    PREFER_SAVE = "prefer_save"
+    MUST_RECOMPUTE = "must_recompute"
+    PREFER_RECOMPUTE = "prefer_recompute"
+
+    @property
+    def must(self) -> bool:
+        return self in (Decision.MUST_SAVE, Decision.MUST_RECOMPUTE)
+
+    @property
+    def save(self) -> bool:
+        return self in (Decision.MUST_SAVE, Decision.PREFER_SAVE)
+
+
+_FROM_TORCH = {
+    CheckpointPolicy.MUST_SAVE: Decision.MUST_SAVE,
+    CheckpointPolicy.PREFER_SAVE: Decision.PREFER_SAVE,
+    CheckpointPolicy.MUST_RECOMPUTE: Decision.MUST_RECOMPUTE,
+    CheckpointPolicy.PREFER_RECOMPUTE: Decision.PREFER_RECOMPUTE,
+}
+
+
+@dataclass
+class OpContext:
+    """What a policy knows about the op it decides for, besides the op and its arguments.
+
+    ``is_recompute`` is always ``False`` (policies run in forward only); it is there so that
+    torch selective-checkpointing policies that read it work unchanged.
+    """
+
+    module: str = ""
+    is_recompute: bool = False
+    tags: frozenset[str] = field(default_factory=frozenset)
+    # Bytes of the op's tensor outputs (None when asked again for a tagged tensor).
+    output_bytes: int | None = None
+    # Whether the op runs inside torch.nn.functional.scaled_dot_product_attention.
+    in_attention: bool = False
+
+
+Policy: TypeAlias = Callable[..., "Decision | CheckpointPolicy | bool"]
+"""``policy(ctx: OpContext, op: OpOverload, *args, **kwargs) -> Decision``."""
+
+
+def as_decision(result: Any, policy: Any, op: Any) -> Decision:
+    """Turn what a policy returned into a :class:`Decision`, or raise if it is none."""
+    if isinstance(result, Decision):
+        return result
+    if isinstance(result, CheckpointPolicy):
+        if result in _FROM_TORCH:
+            return _FROM_TORCH[result]
+        raise RematError(
+            f"remat: policy {_name(policy)} returned {result} for {op}; CPU offload decisions "
+            "are not supported by this engine yet. Return a save or recompute decision."
+        )
+    if isinstance(result, bool):
+        return Decision.MUST_SAVE if result else Decision.PREFER_RECOMPUTE
+    raise RematError(
+        f"remat: policy {_name(policy)} returned {result!r} ({type(result).__name__}) for {op}; "
+        "expected a remat.policies.Decision, a torch CheckpointPolicy or a bool."
+    )
+
+
+def _name(policy: Any) -> str:
+    return getattr(policy, "__name__", None) or type(policy).__name__
+
+
+def resolve(decisions: list[Decision], op: Any, module: str) -> Decision:
+    """One decision from a stack of them, innermost last; see [ Deciding with several policies ]."""
+    musts = {d for d in decisions if d.must}
+    if len(musts) > 1:
+        raise RematError(
+            f"remat: conflicting policies for {op} in module {module or '(top)'}: nested regions "
+            f"say {' and '.join(sorted(d.name for d in musts))}. Make one of them PREFER_*."
+        )
+    if musts:
+        return musts.pop()
+    return decisions[-1]
+
+
+# Ops whose output a recompute could change, or that must not run twice.
+_DATA_DEPENDENT = {
+    "nonzero": "its output shape depends on the data",
+    "nonzero_static": "its output depends on the data",
+    "unique": "its output shape depends on the data",
+    "_unique": "its output shape depends on the data",
+    "_unique2": "its output shape depends on the data",
+    "unique_dim": "its output shape depends on the data",
+    "unique_consecutive": "its output shape depends on the data",
+    "masked_select": "its output shape depends on the data",
+    "topk": "routing decisions must not change between forward and recompute",
+    "sort": "routing decisions must not change between forward and recompute",
+    "argsort": "routing decisions must not change between forward and recompute",
+    "_local_scalar_dense": "it syncs with the device (.item())",
+    "_assert_async": "it is a device-side check with a side effect",
+    "_print": "it has a side effect",
+}
+
+
+def must_save_reason(op: torch._ops.OpOverload) -> str | None:
+    """Why ``op``'s output must be saved whatever the policy says, or ``None``."""
+    name = op.overloadpacket.__name__
+    if name in _DATA_DEPENDENT:
+        return _DATA_DEPENDENT[name]
+    if op.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+        return "it is a collective"
+    if torch.Tag.data_dependent_output in op.tags:
+        return "its output depends on the data"
+    return None
+
+
+# -- built-in policies ----------------------------------------------------------------------------
+
+
+def save_everything(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    """Keep every output autograd needs: no recompute, the most memory (a plain run)."""
+    return Decision.PREFER_SAVE
+
+
+def recompute_everything(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    """Keep nothing but the region's inputs: the least memory, one extra forward of compute."""
+    return Decision.PREFER_RECOMPUTE
+
+
+MATMULS = frozenset(
+    {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten.convolution.default,
+    }
+)
+
+
+def save_matmuls(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    """Matrix multiplies, convolutions and attention kernels are the expensive ops: keep their
+    outputs, recompute the cheap pointwise ops around them."""
+    return Decision.PREFER_SAVE if op in MATMULS else Decision.PREFER_RECOMPUTE
+
+
+def save_tagged(*names: str) -> Policy:
+    """Keep the tensors named with ``remat.tag(t, name)`` for one of ``names``; recompute the
+    rest (JAX's ``save_only_these_names``)."""
+    wanted = frozenset(names)
+    if not wanted or not all(isinstance(n, str) for n in names):
+        raise RematError(f"remat.policies.save_tagged: expected tag names, got {names!r}.")
+
+    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return Decision.MUST_SAVE if ctx.tags & wanted else Decision.PREFER_RECOMPUTE
+
+    policy.__name__ = f"save_tagged({', '.join(map(repr, names))})"
+    return policy
+
+
+def save_smaller_than(nbytes: int) -> Policy:
+    """Keep outputs smaller than ``nbytes``: they cost little memory, and recomputing them
+    would need the ops before them too."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise RematError(f"remat.policies.save_smaller_than: expected bytes >= 0, got {nbytes!r}.")
+
+    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        small = ctx.output_bytes is not None and ctx.output_bytes < nbytes
+        return Decision.PREFER_SAVE if small else Decision.PREFER_RECOMPUTE
+
+    policy.__name__ = f"save_smaller_than({nbytes})"
+    return policy
+
+
+def recompute_attention_core(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    """Megatron's selective recompute: attention scores and probabilities take memory
+    quadratic in the sequence for little compute, so recompute everything inside
+    ``scaled_dot_product_attention`` and keep the rest."""
+    return Decision.PREFER_RECOMPUTE if ctx.in_attention else Decision.PREFER_SAVE
+
+
+def save_if_any(*policies: Policy) -> Policy:
+    """Keep an output if any of ``policies`` keeps it (JAX's ``save_from_both_policies``)."""
+    if not policies or not all(callable(p) for p in policies):
+        raise RematError(f"remat.policies.save_if_any: expected policies, got {policies!r}.")
+
+    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        decisions = [as_decision(p(ctx, op, *args, **kwargs), p, op) for p in policies]
+        saves = [d for d in decisions if d.save]
+        if saves:
+            return Decision.MUST_SAVE if any(d.must for d in saves) else Decision.PREFER_SAVE
+        return (
+            Decision.MUST_RECOMPUTE if any(d.must for d in decisions) else Decision.PREFER_RECOMPUTE
+        )
+
+    policy.__name__ = f"save_if_any({', '.join(_name(p) for p in policies)})"
+    return policy
+
+
+def must(policy: Policy) -> Policy:
+    """``policy`` with every ``PREFER_*`` made ``MUST_*``, so that outer regions cannot
+    override it."""
+    strong = {
+        Decision.PREFER_SAVE: Decision.MUST_SAVE,
+        Decision.PREFER_RECOMPUTE: Decision.MUST_RECOMPUTE,
+    }
+
+    def strict(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        decision = as_decision(policy(ctx, op, *args, **kwargs), policy, op)
+        return strong.get(decision, decision)
+
+    strict.__name__ = f"must({_name(policy)})"
+    return strict
