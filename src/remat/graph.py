@@ -44,14 +44,13 @@ import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _state
@@ -103,6 +102,7 @@ class Node:
     writes: tuple[tuple[int, str], ...]
     rng: list[tuple[Any, torch.Tensor]] | None = None  # (generator, state) before the op
     kept: dict[Key, _Held] = field(default_factory=dict)
+    refs: tuple[Ref, ...] = ()  # every reference among the arguments, repeats included
 
 
 class _Packed:
@@ -188,8 +188,8 @@ class Graph:
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         info = cached_op_info().get(func) or op_info(func)
-        node_args = pytree.tree_map(self.arg, args)
-        node_kwargs = pytree.tree_map(self.arg, kwargs)
+        node_args = _map(self.arg, args)
+        node_kwargs = {k: _map(self.arg, v) for k, v in kwargs.items()}
         # Writes to external tensors run on snapshots, in forward and in replay alike.
         for position, name in info.writes:
             target = args[position] if position < len(args) else kwargs.get(name)
@@ -209,6 +209,7 @@ class Graph:
         module = self.modules[-1]
         decision = self._decide(func, args, kwargs, out, module)
         node = Node(func, node_args, node_kwargs, module, decision, info.writes, rng)
+        node.refs = tuple(_refs_in((node_args, node_kwargs)))
         self.nodes.append(node)
         # Autograd bumps the version of each written tensor after this returns: bind the
         # written states at the version they will have when the next op reads them.
@@ -247,9 +248,7 @@ class Graph:
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, module: str
     ) -> Decision:
         size = sum(
-            t.numel() * t.element_size()
-            for t in pytree.tree_leaves(out)
-            if isinstance(t, torch.Tensor)
+            t.numel() * t.element_size() for t in _leaves(out) if isinstance(t, torch.Tensor)
         )
         ctx = OpContext(module=module, output_bytes=size, in_attention=self.in_attention > 0)
         decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
@@ -300,10 +299,8 @@ class Graph:
 
     def finish(self) -> None:
         """Region exit: drop kept results that no saved tensor can reach."""
-        reached: set[Ref] = set()
-        for ref in self._alive_refs():
-            reached.add(ref)
-            reached |= self._cone(ref)[1]
+        alive = set(self._alive_refs())
+        reached = alive | self._cone(alive)[1]
         for index, node in enumerate(self.nodes):
             node.kept = {k: v for k, v in node.kept.items() if Ref(index, k) in reached}
         self.current = {}
@@ -315,21 +312,24 @@ class Graph:
             if packed is not None and isinstance(packed.ref, Ref):
                 yield packed.ref
 
-    def _cone(self, ref: Ref) -> tuple[list[int], set[Ref]]:
-        """The nodes to replay to rebuild ``ref`` (ascending), and the kept results they read."""
+    def _cone(
+        self, roots: Iterable[Ref], done: set[int] | None = None
+    ) -> tuple[list[int], set[Ref]]:
+        """The nodes to replay to rebuild ``roots`` (ascending), skipping ``done``, and the
+        kept results they read."""
         seen: set[int] = set()
         kept: set[Ref] = set()
-        stack = [ref]
+        stack = list(roots)
         while stack:
             r = stack.pop()
             node = self.nodes[r.node]
             if r.key in node.kept:
                 kept.add(r)
                 continue
-            if r.node in seen:
+            if r.node in seen or (done is not None and r.node in done):
                 continue
             seen.add(r.node)
-            stack.extend(_refs_in((node.args, node.kwargs)))
+            stack.extend(node.refs)
         return sorted(seen), kept
 
     # -- replay ----------------------------------------------------------------------------------
@@ -351,13 +351,11 @@ class Graph:
 
     def _count_uses(self, task: int) -> None:
         uses: dict[Ref, int] = {}
-        nodes: set[int] = set()
-        for ref in self._alive_refs():
+        alive = list(self._alive_refs())
+        for ref in alive:
             uses[ref] = uses.get(ref, 0) + 1
-            nodes.update(self._cone(ref)[0])
-        for index in nodes:
-            node = self.nodes[index]
-            for a in _refs_in((node.args, node.kwargs)):
+        for index in self._cone(alive)[0]:
+            for a in self.nodes[index].refs:
                 uses[a] = uses.get(a, 0) + 1
         self.uses[task] = uses
         self.cache[task] = {}
@@ -381,10 +379,9 @@ class Graph:
             return value
         cache, ran = self.cache[task], self.ran[task]
         with _replaying():
-            for index in self._cone(ref)[0]:
-                if index not in ran:
-                    ran.add(index)
-                    self._run(index, self.nodes[index], task, cache)
+            for index in self._cone([ref], ran)[0]:
+                ran.add(index)
+                self._run(index, self.nodes[index], task, cache)
         value = self._value(ref, task)
         if value is None:
             raise CheckpointError(
@@ -434,12 +431,10 @@ class Graph:
             return value
 
         args = tuple(
-            resolve_arg(a, i)
-            if isinstance(a, (Ref, _Input, _External, _Held))
-            else pytree.tree_map(resolve_arg, a)
+            resolve_arg(a, i) if isinstance(a, _RECORDED) else _map_recorded(resolve_arg, a)
             for i, a in enumerate(node.args)
         )
-        kwargs = {k: pytree.tree_map(resolve_arg, v) for k, v in node.kwargs.items()}
+        kwargs = {k: _map_recorded(resolve_arg, v) for k, v in node.kwargs.items()}
         with _replay_rng(node.rng):
             out = node.op(*args, **kwargs)
         results = out if isinstance(out, (tuple, list)) else (out,)
@@ -453,7 +448,7 @@ class Graph:
             target = args[position] if position < len(args) else None
             if isinstance(target, torch.Tensor):
                 cache[Ref(index, ("w", position))] = target
-        for a in _refs_in((node.args, node.kwargs)):
+        for a in node.refs:
             self._use(a, task)
         for r in [r for r in cache if r.node == index and uses.get(r, 0) <= 0]:
             del cache[r]
@@ -463,11 +458,45 @@ _outside_backward = itertools.count(-2, -1)
 
 
 def _refs_in(tree: Any) -> Iterator[Ref]:
-    for leaf in pytree.tree_leaves(
-        tree, is_leaf=lambda x: isinstance(x, (Ref, _Input, _External, _Held))
-    ):
-        if isinstance(leaf, Ref):
-            yield leaf
+    if isinstance(tree, Ref):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for item in tree:
+            yield from _refs_in(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from _refs_in(item)
+
+
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``fn`` applied to the tensors in an op argument (tensors, lists and tuples of them)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(fn, v) for v in value)
+    return value
+
+
+_RECORDED = (Ref, _Input, _External, _Held)
+
+
+def _map_recorded(fn: Callable[[Any], Any], value: Any) -> Any:
+    if isinstance(value, _RECORDED):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_recorded(fn, v) for v in value)
+    return value
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    else:
+        yield value
 
 
 @contextlib.contextmanager
@@ -488,7 +517,7 @@ def _capture_rng(
     generator = kwargs.get("generator")
     if generator is not None:
         return [(generator, generator.get_state())]
-    devices = {t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    devices = {t.device for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     device = kwargs.get("device")
     if device is not None:
         devices.add(torch.device(device))

@@ -39,8 +39,8 @@ Blind spots. Memory that a kernel allocates and frees before it returns (a conti
 an expanded argument inside ``mm``, a scratch buffer of LayerNorm's backward kernel) never
 appears as an operator result: ``torch.profiler``'s memory events see it, the tracker does not,
 so its peak can be lower than the profiler's by the scratch memory live at the peak. Tensors
-made without an operator are not seen either: the random-generator states that remat regions
-keep for their recompute (``torch.get_rng_state()``, 5,056 bytes each for the CPU
+made without an operator are not seen either: the random-generator states that remat keeps
+to replay random operators (``torch.get_rng_state()``, 5,056 bytes each for the CPU
 generator), Python numbers wrapped as tensors for one operator. ``torch.tensor(data)`` and
 ``torch.from_numpy`` are counted when they are lifted into the dispatcher. Tensor subclasses,
 sparse and meta tensors are not counted, and older tensors freed without the tracker having
@@ -88,8 +88,11 @@ take every save, so nothing saved inside a region reaches the tracker. That is w
 holds: nothing, except its inputs, which it saves through an ``autograd.Function`` outside its
 own hooks. So with every block of a model checkpointed, saved bytes are the blocks' inputs plus
 what operators outside the blocks save. The recompute in backward is counted like any other
-operator in the live bytes. A region with ``offload_to_cpu=True`` saves its inputs under remat's
-offload hooks, which are innermost too: those inputs are not counted as saved.
+operator in the live bytes. The same holds for a region under a policy (the graph engine): the
+results its policy keeps are held in the engine's records, not saved through the tracker's
+hook, so they count in the live bytes and not in the saved bytes. A region with
+``offload_to_cpu=True`` saves its inputs under remat's offload hooks, which are innermost too:
+those inputs are not counted as saved.
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from .. import modules as remat_modules
+from .. import policies
 from ..checkpoint import RegionOptions, run_region
 from ..errors import RematError, did_you_mean
 from ..workloads import Workload
@@ -59,22 +59,11 @@ def _torch_sac(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     )
 
 
-_MATMULS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-}
-
-
 def _save_matmuls(
     ctx: Any, op: Any, *args: Any, **kwargs: Any
 ) -> torch_checkpoint.CheckpointPolicy:
     # Matrix multiplies and attention are the expensive ops: save their outputs.
-    if op in _MATMULS:
+    if op in policies.MATMULS:
         return torch_checkpoint.CheckpointPolicy.MUST_SAVE
     return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -88,6 +77,14 @@ _REMAT_OPTIONS = RegionOptions()
 
 def _remat_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return run_region(function, args, kwargs, _REMAT_OPTIONS)
+
+
+def _graph(policy: policies.Policy) -> Callable[[nn.Module, Workload], None]:
+    def prepare(model: nn.Module, workload: Workload) -> None:
+        for _, block in workload.blocks(model):
+            remat_modules.checkpoint_wrapper(block, policy=policy)
+
+    return prepare
 
 
 def _wrap(block: nn.Module, checkpointer: Checkpointer) -> None:
@@ -177,6 +174,18 @@ STRATEGIES: dict[str, Strategy] = {
             "remat region engine, every 2nd block",
             _every(2, _remat_checkpoint),
             "torch-every-2",
+        ),
+        Strategy(
+            "remat-graph-mm",
+            "remat graph engine saving matmuls, every block",
+            _graph(policies.save_matmuls),
+            "torch-sac-mm",
+        ),
+        Strategy(
+            "remat-graph-all",
+            "remat graph engine recomputing everything, every block",
+            _graph(policies.recompute_everything),
+            "remat-block",
         ),
         Strategy(
             "remat-seq-3",
