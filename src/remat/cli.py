@@ -114,6 +114,8 @@ def _bench(args: argparse.Namespace) -> int:
     if console.width < 120:
         console = Console(width=120)
     console.print(report.table(result))
+    if result.recording_us_per_op is not None:
+        print(f"graph engine recording overhead: {result.recording_us_per_op:.1f} us per op")
     if result.contended_rounds:
         print(
             f"note: other processes competed for the CPU in {result.contended_rounds} of "
@@ -183,6 +185,7 @@ def _run(
         used_rounds=timing["used_rounds"],
         rows=rows,
         pairwise_time=timing["pairwise"],
+        recording_us_per_op=timing.get("recording_us_per_op"),
     )
 
 

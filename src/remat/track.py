@@ -30,9 +30,10 @@ storage:
    The callback runs inside the storage's destructor, before its address can be reused, so a
    key never names two storages at once.
 3. Storages that existed before entry are not counted when they appear; but when one the
-   tracker knows of is freed inside the region (parameters, buffers, gradients and optimizer
-   state of the model and optimizer given, and any older storage an operator read or autograd
-   saved), the live level drops by its size, as the allocator's would.
+   tracker knows of is freed inside the region, the live level drops by its size, as the
+   allocator's would. It knows the parameters, buffers, gradients and optimizer state of the
+   model and optimizer given, the older storages autograd saved, and those passed to an
+   operator that returned a new storage or a view.
 4. The tracker holds no tensor and no storage: only weak references, sizes and names.
 
 Blind spots. Memory that a kernel allocates and frees before it returns (a contiguous copy of

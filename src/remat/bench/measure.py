@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..workloads import Workload, get_workload
 from .strategies import get_strategy
@@ -156,6 +157,7 @@ def times(
             busy = busy or other
         per_round.append(seconds)
         contended.append(busy)
+    overhead = _recording_overhead(workload, models, batch) if "remat-graph-all" in models else None
     clean = [s for s, c in zip(per_round, contended, strict=True) if not c]
     used = clean if len(clean) >= max(3, rounds // 2) else per_round
     return {
@@ -164,6 +166,7 @@ def times(
         "used_rounds": len(used),
         "seconds": {n: statistics.median(s[n] for s in used) for n in names},
         "ratio": {n: statistics.median(s[n] / s["none"] for s in used) for n in names},
+        "recording_us_per_op": overhead,
         "pairwise": {
             f"{a}/{b}": statistics.median(s[a] / s[b] for s in used)
             for a in names
@@ -171,6 +174,49 @@ def times(
             if a != b and a != "none" and b != "none"
         },
     }
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _recording_overhead(
+    workload: Workload, models: dict[str, nn.Module], batch: Any, repeats: int = 7
+) -> float:
+    """Microseconds the graph engine adds per recorded op in forward: the forward time with
+    every block recorded minus the plain forward time, over the ops inside the blocks."""
+    inputs, _ = batch
+    counter = _CountOps()
+    blocks = [b for _, b in workload.blocks(models["none"])]
+
+    def enter(module: nn.Module, args: Any) -> None:
+        counter.__enter__()  # type: ignore[no-untyped-call]
+
+    def leave(module: nn.Module, args: Any, out: Any) -> None:
+        counter.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    handles = [b.register_forward_pre_hook(enter) for b in blocks]
+    handles += [b.register_forward_hook(leave) for b in blocks]
+    with torch.no_grad():
+        models["none"](inputs)
+    for h in handles:
+        h.remove()
+    seconds: dict[str, list[float]] = {"none": [], "remat-graph-all": []}
+    for _ in range(repeats):
+        for name in seconds:
+            start = time.perf_counter()
+            models[name](inputs)
+            seconds[name].append(time.perf_counter() - start)
+    extra = statistics.median(seconds["remat-graph-all"]) - statistics.median(seconds["none"])
+    return 1e6 * extra / max(counter.count, 1)
 
 
 def handle(request: dict[str, Any]) -> dict[str, Any]:

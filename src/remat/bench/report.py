@@ -41,6 +41,7 @@ class Result:
     used_rounds: int
     rows: list[Row]
     pairwise_time: dict[str, float]
+    recording_us_per_op: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
