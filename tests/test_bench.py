@@ -112,3 +112,24 @@ def test_hugging_face_models_from_config_are_exact(model: str) -> None:
     for strategy in ("torch-block", "remat-block"):
         result = measure.memory(workload, strategy, seed=0, device=torch.device("cpu"))
         assert result["grads_equal"] is True
+
+
+def test_tracker_peak_matches_resident_memory_of_a_fresh_process() -> None:
+    # The benchmark GPT, one step, in a fresh process where glibc returns freed tensor memory to
+    # the system (MALLOC_MMAP_THRESHOLD_), so that resident memory follows live tensors.
+    import os
+    import subprocess
+    import sys
+
+    request = {"kind": "rss", "workload": "gpt", "size": "bench", "strategy": "none"}
+    done = subprocess.run(
+        [sys.executable, "-m", "remat.bench.measure", json.dumps(request)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+        check=True,
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    rss, tracked = result["rss_peak_bytes"], result["tracker_peak_bytes"]
+    assert tracked > 1000 * 2**20  # about 1.1 GiB of activations
+    assert abs(tracked - rss) <= 0.10 * rss, (tracked, rss)

@@ -117,3 +117,16 @@ def test_bad_input() -> None:
     report = explain(nn.Linear(2, 2), torch.randn(1, 2))
     with pytest.raises(remat.RematError, match="cannot sort by 'size'"):
         report.sorted("size")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_explain_total_equals_the_trackers_saved_bytes(checkpointed: bool) -> None:
+    workload = get_workload("gpt", "small")
+    model = workload.model(seed=0)
+    if checkpointed:
+        remat.apply(model, workload.block_types)
+    x, target = workload.batch(seed=0)
+    report = explain(model, x)
+    with remat.MemoryTracker(model) as tracker:
+        model(x)
+    assert report.kept_bytes == tracker.report().saved_bytes > 0

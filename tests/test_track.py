@@ -435,6 +435,22 @@ def test_exception_in_region_still_reports_and_cleans_up() -> None:
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
+class _Failing(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("forward failed")
+
+
+def test_module_that_raises_leaves_attribution_intact() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), _Failing())
+    x = torch.randn(1, 2, requires_grad=True)
+    with MemoryTracker(model) as tracker:
+        with pytest.raises(ValueError, match="forward failed"):
+            model(x)
+        y = x.exp()  # saved outside the model: the failed forward must not still be "running"
+    assert tracker.report().saved_bytes_by_module == {"0": 2 * F32, "<outside>": 2 * F32}
+    del y
+
+
 def test_hooks_are_removed_and_graph_is_freed() -> None:
     model = nn.Linear(8, 8)
     with MemoryTracker(model) as tracker:

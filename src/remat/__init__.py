@@ -18,11 +18,15 @@ from .graph import tag as tag
 from .modules import apply as apply
 from .modules import checkpoint_sequential as checkpoint_sequential
 from .modules import checkpoint_wrapper as checkpoint_wrapper
+from .track import MemoryReport as MemoryReport
+from .track import MemoryTracker as MemoryTracker
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "MemoryReport",
+    "MemoryTracker",
     "RematError",
     "SavedTensorReport",
     "apply",

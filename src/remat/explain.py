@@ -281,7 +281,8 @@ class _Explainer:
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         how = "region input" if _state.state.saving_region_inputs else "autograd"
         self.saved(t, "keep", how)
-        return t
+        # A detached alias: returning a saved output itself would tie it to its own grad_fn.
+        return t.detach()
 
 
 @contextlib.contextmanager

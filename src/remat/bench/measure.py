@@ -219,6 +219,42 @@ def _recording_overhead(
     return 1e6 * extra / max(counter.count, 1)
 
 
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def rss_and_tracker(workload: Workload, strategy: str, seed: int) -> dict[str, Any]:
+    """One step's peak by resident memory and by ``remat.MemoryTracker``, in this process.
+
+    Meant for a fresh process started with ``MALLOC_MMAP_THRESHOLD_=65536``, so that glibc
+    returns freed tensor memory to the system and the resident set follows live tensors. After
+    a warm-up step, the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``), one step
+    runs, and its peak is the high-water mark minus the resident size just before it. A second
+    step runs under the tracker.
+    """
+    from ..track import MemoryTracker
+
+    device = torch.device("cpu")
+    model = _prepared(workload, strategy, seed, device)
+    batch = workload.batch(seed)
+    training_step(model, workload, batch, seed)
+    _zero_grads(model)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _proc_status_kib("VmRSS")
+    training_step(model, workload, batch, seed)
+    rss_peak = (_proc_status_kib("VmHWM") - base) * 1024
+    _zero_grads(model)
+    with MemoryTracker(model, timeline=False) as tracker:
+        training_step(model, workload, batch, seed)
+    report = tracker.report()
+    return {"rss_peak_bytes": rss_peak, "tracker_peak_bytes": report.peak_bytes["cpu"]}
+
+
 def handle(request: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(request.get("threads") or torch.get_num_threads())
     if request.get("hf"):
@@ -231,6 +267,8 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
     seed = int(request.get("seed", 0))
     if request["kind"] == "memory":
         return memory(workload, request["strategy"], seed, device)
+    if request["kind"] == "rss":
+        return rss_and_tracker(workload, request["strategy"], seed)
     return times(workload, list(request["strategies"]), seed, device, int(request["rounds"]))
 
 
