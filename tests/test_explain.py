@@ -125,7 +125,7 @@ def test_explain_total_equals_the_trackers_saved_bytes(checkpointed: bool) -> No
     model = workload.model(seed=0)
     if checkpointed:
         remat.apply(model, workload.block_types)
-    x, target = workload.batch(seed=0)
+    x, _ = workload.batch(seed=0)
     report = explain(model, x)
     with remat.MemoryTracker(model) as tracker:
         model(x)
