@@ -40,6 +40,7 @@ Rule 3. A recompute starts as if no region were active; regions it meets are hon
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
 from collections.abc import Callable
@@ -187,12 +188,20 @@ class _Frame:
 
     def unpack(self, slot: _Slot) -> torch.Tensor:
         task = torch._C._current_graph_task_id()
-        if task == -1:
+        outside = task == -1
+        if outside:
             task = next(_outside_backward)
         store = self.recomputed.get(task)
         if store is None:
             store = self._recompute(task)
+            if not outside:
+                # Rebuilt tensors that this backward never asks for go when it ends.
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    functools.partial(self._forget, task)
+                )
         t = store.pop(slot, None)
+        if outside:
+            self._forget(task)
         if t is None:
             raise CheckpointError(
                 f"remat: saved tensor {slot.index} of a checkpointed region was requested twice "
@@ -201,6 +210,9 @@ class _Frame:
                 "them once into local variables."
             )
         return t
+
+    def _forget(self, task: int) -> None:
+        self.recomputed.pop(task, None)
 
     def _inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         saved = iter(self.input_node.saved_tensors)

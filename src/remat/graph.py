@@ -41,6 +41,7 @@ NOTE [ Life of a replayed tensor ]
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 import weakref
@@ -341,13 +342,26 @@ class Graph:
         if isinstance(ref, _Input):
             return self.input_node.saved_tensors[ref.index]  # type: ignore[no-any-return]
         task = torch._C._current_graph_task_id()
-        if task == -1:
+        outside = task == -1
+        if outside:
             task = next(_outside_backward)
         if task not in self.uses:
             self._count_uses(task)
+            if not outside:
+                # What a backward leaves cached (slots it never asked for) goes when it ends.
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    functools.partial(self._end, task)
+                )
         value = self._materialize(ref, task)
         self._use(ref, task)
+        if outside:
+            self._end(task)
         return value
+
+    def _end(self, task: int) -> None:
+        self.uses.pop(task, None)
+        self.cache.pop(task, None)
+        self.ran.pop(task, None)
 
     def _count_uses(self, task: int) -> None:
         uses: dict[Ref, int] = {}
@@ -402,9 +416,9 @@ class Graph:
 
     def _run(self, index: int, node: Node, task: int, cache: dict[Ref, torch.Tensor]) -> None:
         uses = self.uses[task]
-        written = {position for position, _ in node.writes}
+        written: set[int | str] = {p for p, _ in node.writes} | {n for _, n in node.writes}
 
-        def resolve_arg(value: Any, position: int | None = None) -> Any:
+        def resolve_arg(value: Any, position: int | str | None = None) -> Any:
             if isinstance(value, Ref):
                 t = self._value(value, task)
                 if t is None:
@@ -416,7 +430,8 @@ class Graph:
                     t = t.clone()  # another consumer still needs the state before this write
                 return t
             if isinstance(value, _Input):
-                return self.input_node.saved_tensors[value.index]
+                t = self.input_node.saved_tensors[value.index]
+                return t.clone() if position in written else t  # never write a live input
             if isinstance(value, _External):
                 if value.tensor._version != value.version:
                     raise CheckpointError(
@@ -434,7 +449,10 @@ class Graph:
             resolve_arg(a, i) if isinstance(a, _RECORDED) else _map_recorded(resolve_arg, a)
             for i, a in enumerate(node.args)
         )
-        kwargs = {k: _map_recorded(resolve_arg, v) for k, v in node.kwargs.items()}
+        kwargs = {
+            k: resolve_arg(v, k) if isinstance(v, _RECORDED) else _map_recorded(resolve_arg, v)
+            for k, v in node.kwargs.items()
+        }
         with _replay_rng(node.rng):
             out = node.op(*args, **kwargs)
         results = out if isinstance(out, (tuple, list)) else (out,)
@@ -444,8 +462,8 @@ class Graph:
             elif isinstance(result, (tuple, list)):
                 for j, t in enumerate(result):
                     cache[Ref(index, ("l", k, j))] = t
-        for position in written:
-            target = args[position] if position < len(args) else None
+        for position, name in node.writes:
+            target = args[position] if position < len(args) else kwargs.get(name)
             if isinstance(target, torch.Tensor):
                 cache[Ref(index, ("w", position))] = target
         for a in node.refs:
