@@ -447,6 +447,7 @@ def run_region(
     options: RegionOptions,
     offload_inputs: bool = False,
     module_names: dict[int, str] | None = None,
+    root: str = "",
 ) -> Any:
     """:func:`checkpoint` with validated options; ``offload_inputs`` keeps the region's inputs
     in host memory until backward."""
@@ -456,7 +457,7 @@ def run_region(
         from .graph import recording
 
         tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-        with recording(options.policy, tensors, module_names, offload_inputs):
+        with recording(options.policy, tensors, module_names, offload_inputs, root):
             return function(*args, **kwargs)
 
     forward_context, recompute_context = (

@@ -35,7 +35,12 @@ NOTE [ Life of a replayed tensor ]
 4. unpack of slot ``s``: the missing part of its cone is replayed in recording order; each
    result is cached while its use count is positive and dropped when it reaches zero; the
    slot's tensor is handed to autograd and its count decremented.
-5. a backward that never asks for a slot leaves nothing cached: the counts belong to ``g``.
+5. a backward that never asks for a slot leaves nothing cached: the counts belong to ``g``,
+   and go when ``g`` ends.
+6. random ops replay with the generator state they drew from. Of consecutive random ops that
+   a replay runs, only the first keeps its state (5,056 bytes for the CPU generator, as much as
+   a region of ``torch.utils.checkpoint`` keeps); each later one starts where the one before it
+   left the generator, so it is replayed after that one.
 """
 
 from __future__ import annotations
@@ -78,12 +83,47 @@ class _Input:
     index: int  # position among the region's tensor inputs
 
 
-@dataclass(frozen=True)
+@dataclass
 class _External:
-    """A tensor from outside the region, held; its version is checked at replay."""
+    """A tensor from outside the region, held; its version is checked at replay. When the
+    region later writes it in place, ``snapshot`` holds the state this read saw."""
 
     tensor: torch.Tensor
     version: int
+    snapshot: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Meta:
+    """A tensor argument an op reads only for its metadata (``empty_like(x)``): replayed as a
+    meta-device tensor with the same shape, strides and dtype, so the cone stops here."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def stand_in(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
+
+
+# Ops that read their first tensor argument for its metadata only.
+_METADATA_ONLY = frozenset(
+    {
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+    }
+)
 
 
 @dataclass
@@ -101,9 +141,14 @@ class Node:
     module: str
     decision: Decision
     writes: tuple[tuple[int, str], ...]
-    rng: list[tuple[Any, torch.Tensor]] | None = None  # (generator, state) before the op
+    # (generator, state before the op) for a random op; the state is None when the op follows
+    # another random op of the replay, ``after``, and starts where that one left the generator.
+    rng: list[tuple[Any, torch.Tensor | None]] | None = None
+    after: int | None = None
+    feeds: bool = False  # a later random op starts where this one leaves the generator
     kept: dict[Key, _Held] = field(default_factory=dict)
     refs: tuple[Ref, ...] = ()  # every reference among the arguments, repeats included
+    call: Any = None  # the forward arguments, tensors held weakly, until region exit
 
 
 class _Packed:
@@ -153,6 +198,10 @@ class Graph:
         self.ran: dict[int, set[int]] = {}
         self.modules: list[str] = [""]
         self.in_attention = 0
+        self.externals: dict[int, list[_External]] = {}
+        self.inputs_cache: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.rng_after: dict[int, dict[int, list[tuple[Any, torch.Tensor | None]]]] = {}
+        self.paused = False  # the engine's own bookkeeping ops are not the region's
 
     def lookup(self, t: torch.Tensor) -> _Entry | None:
         """The entry for ``t`` if it is the tensor the entry was made for (addresses recur)."""
@@ -183,7 +232,9 @@ class Graph:
             return entry.ref
         if entry is not None:  # stale
             return self.hold(value.detach())
-        return _External(value, value._version)
+        external = _External(value, value._version)
+        self.externals.setdefault(_key(value), []).append(external)
+        return external
 
     def record(
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -191,6 +242,10 @@ class Graph:
         info = cached_op_info().get(func) or op_info(func)
         node_args = _map(self.arg, args)
         node_kwargs = {k: _map(self.arg, v) for k, v in kwargs.items()}
+        if func.overloadpacket.__name__ in _METADATA_ONLY and isinstance(args[0], torch.Tensor):
+            like = args[0]
+            meta = _Meta(tuple(like.shape), tuple(like.stride()), like.dtype, like.device)
+            node_args = (meta, *node_args[1:])
         # Writes to external tensors run on snapshots, in forward and in replay alike.
         for position, name in info.writes:
             target = args[position] if position < len(args) else kwargs.get(name)
@@ -198,6 +253,11 @@ class Graph:
                 recorded = node_args[position] if position < len(args) else node_kwargs[name]
                 if isinstance(recorded, _External):
                     snapshot = _Held(target.detach().clone())
+                    # Earlier reads of this state replay from the snapshot (see [ Replay
+                    # identity ] 5), since the live tensor moves on.
+                    for read in self.externals.get(_key(target), ()):
+                        if read.version == target._version and read.snapshot is None:
+                            read.snapshot = snapshot.tensor
                     if position < len(args):
                         node_args = (*node_args[:position], snapshot, *node_args[position + 1 :])
                     else:
@@ -211,6 +271,7 @@ class Graph:
         decision = self._decide(func, args, kwargs, out, module)
         node = Node(func, node_args, node_kwargs, module, decision, info.writes, rng)
         node.refs = tuple(_refs_in((node_args, node_kwargs)))
+        node.call = (_map(weakref.ref, args), {k: _map(weakref.ref, v) for k, v in kwargs.items()})
         self.nodes.append(node)
         # Autograd bumps the version of each written tensor after this returns: bind the
         # written states at the version they will have when the next op reads them.
@@ -248,8 +309,14 @@ class Graph:
     def _decide(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, module: str
     ) -> Decision:
+        # What keeping the results holds: a view (an alias in the schema) holds its storage.
+        info = cached_op_info().get(func) or op_info(func)
+        results = out if isinstance(out, (tuple, list)) else (out,)
         size = sum(
-            t.numel() * t.element_size() for t in _leaves(out) if isinstance(t, torch.Tensor)
+            (t.numel() * t.element_size() if fresh else t.untyped_storage().nbytes())
+            for result, fresh in zip(results, info.fresh, strict=False)
+            for t in _leaves(result)
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided
         )
         ctx = OpContext(module=module, output_bytes=size, in_attention=self.in_attention > 0)
         decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
@@ -272,7 +339,13 @@ class Graph:
             return
         node = self.nodes[entry.ref.node]
         ctx = OpContext(module=node.module, tags=frozenset({name}))
-        decisions = [as_decision(p(ctx, node.op), p, node.op) for p in self.policies]
+        args, kwargs = (
+            _map(_deref, node.call[0]),
+            {k: _map(_deref, v) for k, v in node.call[1].items()},
+        )
+        decisions = [
+            as_decision(p(ctx, node.op, *args, **kwargs), p, node.op) for p in self.policies
+        ]
         decision = resolve(decisions, node.op, node.module)
         if decision.save and not node.decision.save:
             node.decision = decision
@@ -285,7 +358,11 @@ class Graph:
         if entry is not None and entry.version == t._version:
             packed = _Packed(entry.ref)
         else:
-            packed = _Packed(self.hold(t.detach()))
+            self.paused = True
+            try:
+                packed = _Packed(self.hold(t.detach()))
+            finally:
+                self.paused = False
         self.packed.append(weakref.ref(packed))
         observer = _state.state.observer
         if observer is not None:
@@ -293,7 +370,7 @@ class Graph:
                 isinstance(packed.ref, Ref) and packed.ref.key in self.nodes[packed.ref.node].kept
             )
             decision: _state.Decision = (
-                "keep" if saved or isinstance(packed.ref, _Held) else "recompute"
+                "recompute" if isinstance(packed.ref, Ref) and not saved else "keep"
             )
             observer.saved(t, decision, "graph engine")
         return packed
@@ -301,11 +378,30 @@ class Graph:
     def finish(self) -> None:
         """Region exit: drop kept results that no saved tensor can reach."""
         alive = set(self._alive_refs())
-        reached = alive | self._cone(alive)[1]
+        cone, kept = self._cone(alive)
+        reached = alive | kept
+        replayed = set(cone)
+        previous: int | None = None  # the last random op, in recording order
         for index, node in enumerate(self.nodes):
             node.kept = {k: v for k, v in node.kept.items() if Ref(index, k) in reached}
+            node.call = None
+            if index not in replayed:  # never replayed: its arguments and RNG state can go
+                if node.rng is not None:
+                    previous = None  # it drew numbers that a replay will not draw
+                node.args, node.kwargs, node.rng, node.refs = (), {}, None, ()
+                continue
+            if node.rng is None:
+                continue
+            # See [ Life of a replayed tensor ] 6: consecutive random ops of the replay keep
+            # one generator state, that of the first.
+            prior = self.nodes[previous] if previous is not None else None
+            if prior is not None and [g for g, _ in prior.rng or ()] == [g for g, _ in node.rng]:
+                node.rng = [(g, None) for g, _ in node.rng]
+                node.after, prior.feeds = previous, True
+            previous = index
         self.current = {}
         self.held = {}
+        self.externals = {}
 
     def _alive_refs(self) -> Iterator[Ref]:
         for ref in self.packed:
@@ -339,8 +435,6 @@ class Graph:
         ref = packed.ref
         if isinstance(ref, _Held):
             return ref.tensor
-        if isinstance(ref, _Input):
-            return self.input_node.saved_tensors[ref.index]  # type: ignore[no-any-return]
         task = torch._C._current_graph_task_id()
         outside = task == -1
         if outside:
@@ -352,20 +446,33 @@ class Graph:
                 torch.autograd.Variable._execution_engine.queue_callback(
                     functools.partial(self._end, task)
                 )
-        value = self._materialize(ref, task)
-        self._use(ref, task)
+        if isinstance(ref, _Input):
+            value = self._input(ref.index, task)
+        else:
+            value = self._materialize(ref, task)
+            self._use(ref, task)
         if outside:
             self._end(task)
         return value
+
+    def _input(self, index: int, task: int) -> torch.Tensor:
+        """A region input, unpacked once per backward (an enclosing region lets each saved
+        tensor be read once per backward)."""
+        inputs = self.inputs_cache.get(task)
+        if inputs is None:
+            inputs = self.inputs_cache[task] = tuple(self.input_node.saved_tensors)
+        return inputs[index]
 
     def _end(self, task: int) -> None:
         self.uses.pop(task, None)
         self.cache.pop(task, None)
         self.ran.pop(task, None)
+        self.inputs_cache.pop(task, None)
+        self.rng_after.pop(task, None)
 
-    def _count_uses(self, task: int) -> None:
+    def _count_uses(self, task: int, roots: list[Ref] | None = None) -> None:
         uses: dict[Ref, int] = {}
-        alive = list(self._alive_refs())
+        alive = list(self._alive_refs()) if roots is None else roots
         for ref in alive:
             uses[ref] = uses.get(ref, 0) + 1
         for index in self._cone(alive)[0]:
@@ -392,8 +499,20 @@ class Graph:
         if value is not None:
             return value
         cache, ran = self.cache[task], self.ran[task]
+        if ref.node in ran:
+            # Read a second time in this backward (a custom Function reading ctx.saved_tensors
+            # twice): rebuild it on its own, with counts for its cone only.
+            again = next(_outside_backward)
+            self._count_uses(again, [ref])
+            self.inputs_cache[again] = self.inputs_cache.get(task) or tuple(
+                self.input_node.saved_tensors
+            )
+            try:
+                return self._materialize(ref, again)
+            finally:
+                self._end(again)
         with _replaying():
-            for index in self._cone([ref], ran)[0]:
+            for index in self._to_run(ref, ran):
                 ran.add(index)
                 self._run(index, self.nodes[index], task, cache)
         value = self._value(ref, task)
@@ -402,6 +521,20 @@ class Graph:
                 f"remat: replay did not rebuild {ref} ({self.nodes[ref.node].op})."
             )
         return value
+
+    def _to_run(self, ref: Ref, ran: set[int]) -> list[int]:
+        """The cone of ``ref`` not yet run, with the random ops whose end state it needs."""
+        nodes = set(self._cone([ref], ran)[0])
+        pending = [i for i in nodes if self.nodes[i].after is not None]
+        while pending:
+            before = self.nodes[pending.pop()].after
+            if before is None or before in ran or before in nodes:
+                continue
+            node = self.nodes[before]
+            extra = set(self._cone(node.refs, ran)[0]) | {before}
+            nodes |= extra
+            pending.extend(i for i in extra if self.nodes[i].after is not None)
+        return sorted(nodes)
 
     def _shared(self, ref: Ref, t: torch.Tensor, task: int) -> bool:
         """Whether writing ``t`` in place would change a value something else still needs."""
@@ -430,9 +563,13 @@ class Graph:
                     t = t.clone()  # another consumer still needs the state before this write
                 return t
             if isinstance(value, _Input):
-                t = self.input_node.saved_tensors[value.index]
+                t = self._input(value.index, task)
                 return t.clone() if position in written else t  # never write a live input
+            if isinstance(value, _Meta):
+                return value.stand_in()
             if isinstance(value, _External):
+                if value.snapshot is not None:
+                    return value.snapshot
                 if value.tensor._version != value.version:
                     raise CheckpointError(
                         f"remat: {node.op} in {node.module or '(top)'} read a tensor from outside "
@@ -449,12 +586,22 @@ class Graph:
             resolve_arg(a, i) if isinstance(a, _RECORDED) else _map_recorded(resolve_arg, a)
             for i, a in enumerate(node.args)
         )
+        if node.args and isinstance(node.args[0], _Meta) and node.kwargs.get("device") is None:
+            # The op made its result where its argument lived, not on the meta stand-in.
+            node_kwargs_device = {"device": node.args[0].device}
+        else:
+            node_kwargs_device = {}
         kwargs = {
             k: resolve_arg(v, k) if isinstance(v, _RECORDED) else _map_recorded(resolve_arg, v)
             for k, v in node.kwargs.items()
         }
-        with _replay_rng(node.rng):
-            out = node.op(*args, **kwargs)
+        states = node.rng
+        if node.after is not None and states is not None:
+            states = self.rng_after[task].pop(node.after)
+        with _replay_rng(states):
+            out = node.op(*args, **kwargs, **node_kwargs_device)
+            if node.feeds and states is not None:
+                self.rng_after.setdefault(task, {})[index] = [(g, g.get_state()) for g, _ in states]
         results = out if isinstance(out, (tuple, list)) else (out,)
         for k, result in enumerate(results):
             if isinstance(result, torch.Tensor):
@@ -495,7 +642,11 @@ def _map(fn: Callable[[Any], Any], value: Any) -> Any:
     return value
 
 
-_RECORDED = (Ref, _Input, _External, _Held)
+_RECORDED = (Ref, _Input, _External, _Held, _Meta)
+
+
+def _deref(value: Any) -> Any:
+    return value() if isinstance(value, weakref.ref) else value
 
 
 def _map_recorded(fn: Callable[[Any], Any], value: Any) -> Any:
@@ -529,7 +680,7 @@ def _replaying() -> Iterator[None]:
 
 def _capture_rng(
     func: Any, args: Any, kwargs: dict[str, Any]
-) -> list[tuple[Any, torch.Tensor]] | None:
+) -> list[tuple[Any, torch.Tensor | None]] | None:
     if torch.Tag.nondeterministic_seeded not in func.tags:
         return None
     generator = kwargs.get("generator")
@@ -539,7 +690,7 @@ def _capture_rng(
     device = kwargs.get("device")
     if device is not None:
         devices.add(torch.device(device))
-    states: list[tuple[Any, torch.Tensor]] = []
+    states: list[tuple[Any, torch.Tensor | None]] = []
     for d in devices or {torch.device("cpu")}:
         generator = torch.default_generator if d.type == "cpu" else _device_generator(d)
         states.append((generator, generator.get_state()))
@@ -553,13 +704,15 @@ def _device_generator(device: torch.device) -> Any:
 
 
 @contextlib.contextmanager
-def _replay_rng(states: list[tuple[Any, torch.Tensor]] | None) -> Iterator[None]:
+def _replay_rng(states: list[tuple[Any, torch.Tensor | None]] | None) -> Iterator[None]:
     if states is None:
         yield
         return
     current = [(g, g.get_state()) for g, _ in states]
     try:
         for generator, state in states:
+            if state is None:
+                raise CheckpointError("remat: a random op was replayed before the one it follows.")
             generator.set_state(state)
         yield
     finally:
@@ -608,6 +761,8 @@ class Recorder(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if self.graph.paused:
+            return func(*args, **(kwargs or {}))
         return self.graph.record(func, args, kwargs or {})
 
 
@@ -641,6 +796,7 @@ def recording(
     inputs: list[torch.Tensor],
     module_names: dict[int, str] | None = None,
     offload_inputs: bool = False,
+    root: str = "",
 ) -> Iterator[None]:
     """A graph-engine region around a block of code; see the notes above.
 
@@ -659,6 +815,7 @@ def recording(
             active.policies.pop()
         return
     graph = Graph([policy], inputs)
+    graph.modules = [root]  # the module whose forward the region is, if any
     dummy = torch.empty(0, requires_grad=True)
     _state.state.saving_region_inputs = True
     try:

@@ -30,12 +30,15 @@ Where: TypeAlias = (
 class _CheckpointedForward:
     """The instance-level ``forward`` of a wrapped module."""
 
-    __slots__ = ("module_ref", "offload_to_cpu", "options")
+    __slots__ = ("module_ref", "name", "offload_to_cpu", "options")
 
-    def __init__(self, module: nn.Module, offload_to_cpu: bool, options: RegionOptions) -> None:
+    def __init__(
+        self, module: nn.Module, offload_to_cpu: bool, options: RegionOptions, name: str = ""
+    ) -> None:
         self.module_ref = weakref.ref(module)
         self.offload_to_cpu = offload_to_cpu
         self.options = options
+        self.name = name  # qualified name in the model given to apply(), for reports
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
@@ -43,9 +46,11 @@ class _CheckpointedForward:
             raise RematError("remat: the module of this checkpointed forward was freed.")
         forward = types.MethodType(type(module).forward, module)
         names = None
+        root = self.name or type(module).__name__
         if self.options.policy is not None:
-            names = {id(m): name or type(m).__name__ for name, m in module.named_modules()}
-        return run_region(forward, args, kwargs, self.options, self.offload_to_cpu, names)
+            prefix = f"{self.name}." if self.name else ""
+            names = {id(m): prefix + name if name else root for name, m in module.named_modules()}
+        return run_region(forward, args, kwargs, self.options, self.offload_to_cpu, names, root)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward:
         # copy.deepcopy(model) copies the module before its __dict__, so the copy is in memo.
@@ -56,15 +61,15 @@ class _CheckpointedForward:
                 "remat: a checkpointed forward can be deep-copied only together with its module; "
                 "deep-copy the module (or the model that contains it)."
             )
-        return _CheckpointedForward(copy, self.offload_to_cpu, self.options)
+        return _CheckpointedForward(copy, self.offload_to_cpu, self.options, self.name)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickle by reference to the module; unpickling rebuilds the weak reference.
-        return (_rebind, (self.module_ref(), self.offload_to_cpu, self.options))
+        return (_rebind, (self.module_ref(), self.offload_to_cpu, self.options, self.name))
 
 
-def _rebind(module: nn.Module, offload_to_cpu: bool, options: RegionOptions) -> Any:
-    return _CheckpointedForward(module, offload_to_cpu, options)
+def _rebind(module: nn.Module, offload_to_cpu: bool, options: RegionOptions, name: str) -> Any:
+    return _CheckpointedForward(module, offload_to_cpu, options, name)
 
 
 def checkpoint_wrapper(
@@ -201,8 +206,11 @@ def apply(
             f"(already checkpointed, or patched): {taken}. Nothing was wrapped; select other "
             "modules or remove those wrappers first."
         )
-    for _, module in selected:
+    for name, module in selected:
         checkpoint_wrapper(module, offload_to_cpu=offload_to_cpu, **options)
+        forward = module.__dict__["forward"]
+        assert isinstance(forward, _CheckpointedForward)
+        forward.name = name
     return model
 
 

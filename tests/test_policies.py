@@ -1,0 +1,654 @@
+"""Policies (``remat.policies``): built-ins, combinators, the rules for several policies, and
+what each built-in replays in backward, measured in FLOPs.
+
+Numerical checks compare against a plain run from the same RNG state, bit for bit
+(``torch.equal``), with dropout active. Mechanism checks count the ATen ops and FLOPs of backward:
+an op whose output a policy keeps never shows up there, an op it recomputes does.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import FlopCounterMode
+
+import remat
+from remat import policies
+from remat.policies import Decision, OpContext, as_decision, must_save_reason, resolve
+from remat.workloads import GPTBlock
+
+from helpers import OpCounter, assert_equal, counting_ops
+
+aten = torch.ops.aten
+
+
+def _leaf(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).requires_grad_()
+
+
+def _fresh(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def _grads(*tensors: torch.Tensor) -> list[torch.Tensor | None]:
+    return [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+def run_both(fn: Any, *leaves: torch.Tensor, policy: Any, seed: int = 7) -> OpCounter:
+    """``fn(*leaves) -> scalar`` plainly and in a graph region with ``policy``; compare output and
+    grads bit for bit. Returns the op counts of the region's backward."""
+    a, b = _fresh(*leaves), _fresh(*leaves)
+    torch.manual_seed(seed)
+    plain = fn(*a)
+    plain.backward()
+    torch.manual_seed(seed)
+    out = remat.checkpoint(fn, *b, policy=policy)
+    with counting_ops() as ops:
+        out.backward()
+    assert torch.equal(plain, out)
+    assert_equal(_grads(*a), _grads(*b), "grads")
+    return ops
+
+
+def _held_by_forward(fn: Any, *args: torch.Tensor, policy: Any) -> int:
+    """Bytes a graph region's forward leaves allocated, besides its output."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = remat.checkpoint(fn, *args, policy=policy)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    out.backward()
+    return sum(e.nbytes() for e in events) - out.nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Decisions, conversions, and the rules for several policies
+# ---------------------------------------------------------------------------------------------
+
+
+def test_decision_properties() -> None:
+    assert [d for d in Decision if d.must] == [Decision.MUST_SAVE, Decision.MUST_RECOMPUTE]
+    assert [d for d in Decision if d.save] == [Decision.MUST_SAVE, Decision.PREFER_SAVE]
+
+
+@pytest.mark.parametrize(
+    ("returned", "expected"),
+    [
+        (Decision.PREFER_SAVE, Decision.PREFER_SAVE),
+        (CheckpointPolicy.MUST_SAVE, Decision.MUST_SAVE),
+        (CheckpointPolicy.PREFER_SAVE, Decision.PREFER_SAVE),
+        (CheckpointPolicy.MUST_RECOMPUTE, Decision.MUST_RECOMPUTE),
+        (CheckpointPolicy.PREFER_RECOMPUTE, Decision.PREFER_RECOMPUTE),
+        (True, Decision.MUST_SAVE),  # as in torch: True saves
+        (False, Decision.PREFER_RECOMPUTE),
+    ],
+)
+def test_what_a_policy_may_return(returned: Any, expected: Decision) -> None:
+    assert as_decision(returned, save_nothing, aten.mm.default) is expected
+
+
+def save_nothing(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    return Decision.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("returned", ["save", None, 1, Decision.PREFER_SAVE.value])
+def test_a_policy_returning_something_else_raises_with_its_name_and_value(returned: Any) -> None:
+    def undecided(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return returned
+
+    expected = f"policy undecided returned {returned!r} ({type(returned).__name__}) for aten.exp"
+    with pytest.raises(remat.RematError, match=re.escape(expected)):
+        remat.checkpoint(lambda t: t.exp().sum(), _leaf(3), policy=undecided)
+
+
+def test_cpu_offload_decisions_are_refused() -> None:
+    def offload(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_CPU_OFFLOAD
+
+    with pytest.raises(remat.RematError, match=r"policy offload returned .*CPU offload"):
+        remat.checkpoint(lambda t: t.exp().sum(), _leaf(3), policy=offload)
+
+
+def test_resolve_follows_the_rules() -> None:
+    D = Decision
+    op = aten.exp.default
+    # 1. MUST beats PREFER, wherever it sits in the stack.
+    assert resolve([D.MUST_SAVE, D.PREFER_RECOMPUTE], op, "m") is D.MUST_SAVE
+    assert resolve([D.PREFER_SAVE, D.MUST_RECOMPUTE, D.PREFER_SAVE], op, "m") is D.MUST_RECOMPUTE
+    # 3. Among PREFERs the innermost (last) wins.
+    assert resolve([D.PREFER_SAVE, D.PREFER_RECOMPUTE], op, "m") is D.PREFER_RECOMPUTE
+    assert resolve([D.PREFER_RECOMPUTE, D.PREFER_SAVE], op, "m") is D.PREFER_SAVE
+    # The same MUST twice is no conflict.
+    assert resolve([D.MUST_SAVE, D.PREFER_RECOMPUTE, D.MUST_SAVE], op, "m") is D.MUST_SAVE
+    # 2. Two different MUSTs raise, naming the op, the module and both decisions.
+    with pytest.raises(
+        remat.RematError,
+        match=r"conflicting policies for aten\.exp\.default in module attn: .*MUST_RECOMPUTE "
+        r"and MUST_SAVE",
+    ):
+        resolve([D.MUST_SAVE, D.MUST_RECOMPUTE], op, "attn")
+
+
+@pytest.mark.parametrize(
+    ("op", "reason"),
+    [
+        (aten.nonzero.default, "shape depends on the data"),
+        (aten._unique2.default, "shape depends on the data"),
+        (aten.masked_select.default, "shape depends on the data"),
+        (aten.topk.default, "routing decisions"),
+        (aten.sort.default, "routing decisions"),
+        (aten._local_scalar_dense.default, ".item()"),
+        (aten.mm.default, None),
+        (aten.bernoulli_.float, None),  # random ops are replayed exactly, not saved
+    ],
+)
+def test_must_save_reason(op: Any, reason: str | None) -> None:
+    found = must_save_reason(op)
+    assert found is None if reason is None else reason in (found or "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in policies and combinators, called directly
+# ---------------------------------------------------------------------------------------------
+
+
+def test_built_in_decisions() -> None:
+    D, ctx = Decision, OpContext()
+    assert policies.save_everything(ctx, aten.sin.default) is D.PREFER_SAVE
+    assert policies.recompute_everything(ctx, aten.mm.default) is D.PREFER_RECOMPUTE
+    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default):
+        assert policies.save_matmuls(ctx, op) is D.PREFER_SAVE
+    for op in (aten.sin.default, aten.gelu.default, aten._softmax.default):
+        assert policies.save_matmuls(ctx, op) is D.PREFER_RECOMPUTE
+    inside = OpContext(in_attention=True)
+    assert policies.recompute_attention_core(inside, aten.bmm.default) is D.PREFER_RECOMPUTE
+    assert policies.recompute_attention_core(ctx, aten.addmm.default) is D.PREFER_SAVE
+
+
+def test_save_smaller_than_is_strict_and_ignores_unknown_sizes() -> None:
+    policy = policies.save_smaller_than(100)
+    assert policy.__name__ == "save_smaller_than(100)"
+    assert policy(OpContext(output_bytes=99), aten.sin.default) is Decision.PREFER_SAVE
+    assert policy(OpContext(output_bytes=100), aten.sin.default) is Decision.PREFER_RECOMPUTE
+    assert policy(OpContext(output_bytes=None), aten.sin.default) is Decision.PREFER_RECOMPUTE
+    assert policies.save_smaller_than(0)(OpContext(output_bytes=0), aten.sin.default).save is False
+
+
+def test_save_tagged_saves_only_the_named_tags() -> None:
+    policy = policies.save_tagged("kv", "scores")
+    assert policy.__name__ == "save_tagged('kv', 'scores')"
+    sin = aten.sin.default
+    assert policy(OpContext(tags=frozenset({"kv"})), sin) is Decision.MUST_SAVE
+    assert policy(OpContext(tags=frozenset({"other"})), sin) is Decision.PREFER_RECOMPUTE
+    assert policy(OpContext(), sin) is Decision.PREFER_RECOMPUTE
+
+
+def test_save_if_any_keeps_what_any_policy_keeps() -> None:
+    D = Decision
+    combined = policies.save_if_any(policies.save_matmuls, policies.save_tagged("t"))
+    assert combined.__name__ == "save_if_any(save_matmuls, save_tagged('t'))"
+    tagged = OpContext(tags=frozenset({"t"}))
+    assert combined(OpContext(), aten.mm.default) is D.PREFER_SAVE
+    assert combined(OpContext(), aten.sin.default) is D.PREFER_RECOMPUTE
+    assert combined(tagged, aten.sin.default) is D.MUST_SAVE  # save_tagged says MUST_SAVE
+    # A keep wins over a MUST_RECOMPUTE; with no keep, a MUST_RECOMPUTE stays a MUST.
+    strict = policies.save_if_any(
+        policies.must(policies.recompute_everything), policies.save_matmuls
+    )
+    assert strict(OpContext(), aten.mm.default) is D.PREFER_SAVE
+    assert strict(OpContext(), aten.sin.default) is D.MUST_RECOMPUTE
+    # Torch decisions and bools from the parts are understood.
+    torch_style = policies.save_if_any(
+        lambda ctx, op, *a, **k: op == aten.sin.default,
+        lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE,
+    )
+    assert torch_style(OpContext(), aten.sin.default) is D.MUST_SAVE
+    assert torch_style(OpContext(), aten.cos.default) is D.PREFER_RECOMPUTE
+
+
+def test_must_makes_every_preference_a_requirement() -> None:
+    D = Decision
+    strict = policies.must(policies.save_matmuls)
+    assert strict.__name__ == "must(save_matmuls)"
+    assert strict(OpContext(), aten.mm.default) is D.MUST_SAVE
+    assert strict(OpContext(), aten.sin.default) is D.MUST_RECOMPUTE
+    already = policies.must(lambda ctx, op, *a, **k: CheckpointPolicy.MUST_RECOMPUTE)
+    assert already(OpContext(), aten.mm.default) is D.MUST_RECOMPUTE
+    assert policies.must(lambda ctx, op, *a, **k: False)(OpContext(), aten.mm.default) is (
+        D.MUST_RECOMPUTE
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: policies.save_tagged(), r"save_tagged: expected tag names, got \(\)"),
+        (lambda: policies.save_tagged("a", 1), r"save_tagged: expected tag names, got \('a', 1\)"),
+        (lambda: policies.save_smaller_than(-1), "save_smaller_than: expected bytes >= 0, got -1"),
+        (lambda: policies.save_smaller_than(1.5), "save_smaller_than: expected bytes >= 0"),
+        (lambda: policies.save_smaller_than(True), "save_smaller_than: expected bytes >= 0"),
+        (lambda: policies.save_if_any(), r"save_if_any: expected policies, got \(\)"),
+        (lambda: policies.save_if_any(policies.save_matmuls, 3), "save_if_any: expected policies"),
+    ],
+)
+def test_bad_policy_arguments_raise(make: Any, match: str) -> None:
+    with pytest.raises(remat.RematError, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"early_stop": False},
+        {"preserve_rng_state": False},
+        {"debug": True},
+        {"context_fn": lambda: (torch.enable_grad(), torch.enable_grad())},
+    ],
+    ids=["early_stop", "preserve_rng_state", "debug", "context_fn"],
+)
+def test_region_engine_options_with_a_policy_raise(options: dict[str, Any]) -> None:
+    name = next(iter(options))
+    match = f"{name} apply to the region engine, but a policy selects the graph engine"
+    with pytest.raises(remat.RematError, match=f"remat.checkpoint: {match}"):
+        remat.checkpoint(torch.sin, _leaf(2), policy=policies.save_matmuls, **options)
+    with pytest.raises(remat.RematError, match=f"remat.checkpoint_wrapper: {match}"):
+        remat.checkpoint_wrapper(nn.Linear(2, 2), policy=policies.save_matmuls, **options)
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(remat.RematError, match=f"remat.apply: {match}"):
+        remat.apply(model, nn.Linear, policy=policies.save_matmuls, **options)
+    assert "forward" not in model[0].__dict__  # nothing was wrapped
+
+
+def test_a_policy_that_is_not_callable_raises() -> None:
+    with pytest.raises(remat.RematError, match=r"remat\.checkpoint: policy must be a callable"):
+        remat.checkpoint(torch.sin, _leaf(2), policy="save_matmuls")
+    with (
+        pytest.raises(remat.RematError, match=r"remat\.region: policy must be a callable"),
+        remat.region(policy=3),
+    ):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Several policies in nested regions
+# ---------------------------------------------------------------------------------------------
+
+
+def _exp_sin(x: torch.Tensor) -> torch.Tensor:
+    return x.exp().sin().sum()  # exp saves its result, sin its input: the same tensor
+
+
+def _exp_replays(outer: Any, inner: Any, inner_as_checkpoint: bool = False) -> int:
+    """How often backward replays exp when ``_exp_sin`` runs in a region in a region."""
+    x = _leaf(8)
+    xp = _fresh(x)[0]
+    _exp_sin(xp).backward()
+    with remat.region(policy=outer):
+        if inner_as_checkpoint:
+            out = remat.checkpoint(_exp_sin, x, policy=inner)
+        else:
+            with remat.region(policy=inner):
+                out = _exp_sin(x)
+    with counting_ops() as ops:
+        out.backward()
+    assert torch.equal(x.grad, xp.grad)
+    return ops["exp"]
+
+
+KEEP, DROP = policies.save_everything, policies.recompute_everything
+MUST_KEEP, MUST_DROP = policies.must(KEEP), policies.must(DROP)
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner", "replays"),
+    [
+        (KEEP, DROP, 1),  # the innermost PREFER wins
+        (DROP, KEEP, 0),
+        (MUST_KEEP, DROP, 0),  # an outer MUST beats an inner PREFER
+        (MUST_DROP, KEEP, 1),
+        (KEEP, MUST_DROP, 1),  # an inner MUST beats an outer PREFER
+        (DROP, MUST_KEEP, 0),
+        (MUST_KEEP, KEEP, 0),  # agreeing MUST and PREFER
+    ],
+    ids=lambda p: getattr(p, "__name__", str(p)),
+)
+@pytest.mark.parametrize("inner_as_checkpoint", [False, True], ids=["region", "checkpoint"])
+def test_nested_region_decisions(
+    outer: Any, inner: Any, replays: int, inner_as_checkpoint: bool
+) -> None:
+    assert _exp_replays(outer, inner, inner_as_checkpoint) == replays
+
+
+def test_conflicting_musts_in_nested_regions_raise() -> None:
+    x = _leaf(8)
+    with (
+        pytest.raises(
+            remat.RematError,
+            match=r"conflicting policies for aten\.exp\.default .*MUST_RECOMPUTE and MUST_SAVE",
+        ),
+        remat.region(policy=MUST_KEEP),
+        remat.region(policy=MUST_DROP),
+    ):
+        _exp_sin(x)
+
+
+def test_nested_policy_applies_only_inside_its_region() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        a = x.exp()  # outer region: recomputed
+        with remat.region(policy=policies.save_everything):
+            b = a.sigmoid()  # inner region: kept
+        return (a * b.tanh()).sum()  # outer: tanh recomputed
+
+    ops = run_both(fn, _leaf(16), policy=policies.recompute_everything)
+    assert (ops["exp"], ops["sigmoid"], ops["tanh"]) == (1, 0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch selective-checkpointing policies work unchanged
+# ---------------------------------------------------------------------------------------------
+
+
+def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if ctx.is_recompute:  # torch policies may read it; it is always False here
+        raise AssertionError("policies run in forward only")
+    return (
+        CheckpointPolicy.MUST_SAVE if op == aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+def bool_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    return bool(op == aten.mm.default)
+
+
+def _mm_dropout(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.dropout(torch.mm(x, w).sin(), 0.5).mm(w).sum()
+
+
+@pytest.mark.parametrize("policy", [torch_policy, bool_policy])
+def test_torch_style_policies_work_unchanged(policy: Any) -> None:
+    x, w = _leaf(4, 4), _leaf(4, 4)
+    ops = run_both(_mm_dropout, x, w, policy=policy)
+    assert ops["mm"] == 4  # backward's own: the saved matmuls are not replayed
+    assert ops["sin"] == 1 and ops["bernoulli_"] == 1  # the rest is
+    # The same function drives torch's own selective checkpointing to the same grads.
+    a, b = _fresh(x, w), _fresh(x, w)
+    torch.manual_seed(7)
+    remat.checkpoint(_mm_dropout, *a, policy=policy).backward()
+    torch.manual_seed(7)
+    torch.utils.checkpoint.checkpoint(
+        _mm_dropout,
+        *b,
+        use_reentrant=False,
+        context_fn=lambda: create_selective_checkpoint_contexts(policy),
+    ).backward()
+    assert_equal(_grads(*a), _grads(*b))
+
+
+# ---------------------------------------------------------------------------------------------
+# remat.tag
+# ---------------------------------------------------------------------------------------------
+
+
+def _tagged(x: torch.Tensor) -> torch.Tensor:
+    a = x.exp()  # exp saves its result
+    b = remat.tag(a.sin(), "b")  # sin saves its input, a
+    return b.tanh().sum()  # tanh saves its result, rebuilt from b
+
+
+def test_save_tagged_keeps_exactly_the_tagged_tensor() -> None:
+    x = _leaf(256)
+    ops = run_both(_tagged, x, policy=policies.save_tagged("b"))
+    assert (ops["sin"], ops["exp"], ops["tanh"]) == (0, 1, 1)  # b is kept, a and c replayed
+    assert _held_by_forward(_tagged, x, policy=policies.save_tagged("b")) == 256 * 4
+    # Under another name the tag keeps nothing.
+    ops = run_both(_tagged, x, policy=policies.save_tagged("other"))
+    assert (ops["sin"], ops["exp"], ops["tanh"]) == (1, 1, 1)
+    assert _held_by_forward(_tagged, x, policy=policies.save_tagged("other")) == 0
+
+
+def test_tag_outside_a_region_returns_the_tensor_and_does_nothing() -> None:
+    t = _leaf(3)
+    assert remat.tag(t, "b") is t
+    x = _fresh(t)[0]
+    y = remat.tag(x.exp(), "b")
+    assert y.grad_fn is not None and torch.equal(y, t.exp())
+    with pytest.raises(remat.RematError, match=r"remat.tag: expected \(tensor, name: str\)"):
+        remat.tag(t, 3)  # type: ignore[arg-type]
+    with pytest.raises(remat.RematError, match=r"remat.tag: expected \(tensor, name: str\)"):
+        remat.tag([t], "b")  # type: ignore[arg-type]
+
+
+def test_tag_on_a_tensor_from_outside_the_region_changes_nothing() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        remat.tag(x, "b")  # a region input: nothing to keep, nothing to replay
+        return _tagged(x)
+
+    ops = run_both(fn, _leaf(16), policy=policies.save_tagged("b"))
+    assert (ops["sin"], ops["exp"]) == (0, 1)
+
+
+def test_save_if_any_and_must_in_a_region() -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = remat.tag(x.exp(), "h")  # kept through the tag
+        m = h @ w  # kept as a matmul
+        return (m.sigmoid() * h.sin()).sum()  # mul saves both: sigmoid and sin are replayed
+
+    either = policies.save_if_any(policies.save_tagged("h"), policies.save_matmuls)
+    ops = run_both(fn, _leaf(8, 6), _leaf(6, 6), policy=either)
+    assert (ops["exp"], ops["mm"], ops["sigmoid"], ops["sin"]) == (0, 2, 1, 1)
+    # save_tagged says MUST_SAVE for the tagged exp: a must(...) region around it that says
+    # MUST_RECOMPUTE conflicts with it rather than silently winning.
+    x, w = _leaf(8, 6), _leaf(6, 6)
+    with (
+        pytest.raises(remat.RematError, match=r"aten\.exp\.default .*MUST_RECOMPUTE and MUST_SAVE"),
+        remat.region(policy=MUST_DROP),
+        remat.region(policy=either),
+    ):
+        fn(x, w)
+
+
+def test_tag_with_a_policy_that_reads_the_ops_arguments() -> None:
+    def matrices(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        keep = isinstance(args[0], torch.Tensor) and args[0].dim() > 1
+        return Decision.PREFER_SAVE if keep else Decision.PREFER_RECOMPUTE
+
+    policy = policies.save_if_any(policies.save_tagged("h"), matrices)
+    run_both(lambda x: remat.tag(x.exp(), "h").sin().sum(), _leaf(8), policy=policy)
+
+
+def test_save_smaller_than_never_keeps_more_than_it_says() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        big = x.exp()  # 256 KiB: recomputed
+        return big[0, :4].sin().sum()  # sin saves a 16-byte view of it
+
+    held = _held_by_forward(fn, _leaf(256, 256), policy=policies.save_smaller_than(1024))
+    assert held < 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# What policies see
+# ---------------------------------------------------------------------------------------------
+
+# One GPT block: batch 2, sequence 12, width 20, 2 heads of 10; B*T = 24 rows; MLP width 80.
+_B, _T, _D, _H = 2, 12, 20, 2
+
+
+def _block() -> GPTBlock:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return GPTBlock(_D, _H, dropout=0.1)
+
+
+def test_policies_see_module_output_size_and_attention_scope_once_per_op() -> None:
+    seen: list[tuple[str, str, int | None, bool]] = []
+
+    def spy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        assert not ctx.is_recompute and not ctx.tags
+        seen.append((ctx.module, op.overloadpacket.__name__, ctx.output_bytes, ctx.in_attention))
+        return Decision.PREFER_RECOMPUTE
+
+    x = _leaf(_B, _T, _D)
+    plain, block = _block(), remat.checkpoint_wrapper(_block(), policy=spy)
+    with counting_ops() as plain_ops:
+        plain(x)
+    out = block(x)
+    # Once per op of the block (detach: see test_policies_are_asked_only_about_the_regions_ops).
+    asked = Counter(name for _, name, _, _ in seen if name != "detach")
+    assert asked == Counter({k: v for k, v in plain_ops.counts.items() if k != "detach"})
+    # Every linear layer, by module, with the float32 bytes of its (B*T, out) result.
+    assert [(m, size) for m, name, size, _ in seen if name == "addmm"] == [
+        ("attn.qkv", 24 * 60 * 4),
+        ("attn.proj", 24 * 20 * 4),
+        ("mlp.0", 24 * 80 * 4),
+        ("mlp.2", 24 * 20 * 4),
+    ]
+    attention = [(m, name) for m, name, _, inside in seen if inside]
+    assert {m for m, _ in attention} == {"attn"}
+    assert [name for _, name in attention if name in ("bmm", "_safe_softmax", "bernoulli_")] == [
+        "bmm",
+        "_safe_softmax",
+        "bernoulli_",
+        "bmm",
+    ]
+    assert not any(inside for _, name, _, inside in seen if name in ("addmm", "native_layer_norm"))
+    calls = len(seen)
+    out.sum().backward()
+    assert len(seen) == calls  # never asked in backward
+
+
+def test_policies_are_asked_only_about_the_regions_ops() -> None:
+    asked: list[str] = []
+
+    def spy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        asked.append(op.overloadpacket.__name__)
+        return Decision.PREFER_RECOMPUTE
+
+    norm = nn.LayerNorm(4)  # native_layer_norm saves its weight and bias
+    x = _leaf(2, 4)
+    with counting_ops() as plain_ops:
+        norm(x)
+    remat.checkpoint(norm, x, policy=spy)
+    assert Counter(asked) == Counter(plain_ops.counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# B. What each built-in policy replays on one GPT block, in FLOPs
+# ---------------------------------------------------------------------------------------------
+#
+# Forward FLOPs of the matmuls of the block (2 * M * K * N each):
+#   qkv      addmm [24 x 20] @ [20 x 60]               2*24*20*60 = 57600
+#   scores   bmm   [4 x 12 x 10] @ [4 x 10 x 12]       2*4*12*12*10 = 11520   (B*H = 4; q @ k^T)
+#   context  bmm   [4 x 12 x 12] @ [4 x 12 x 10]       2*4*12*12*10 = 11520   (probs @ v)
+#   proj     addmm [24 x 20] @ [20 x 20]               2*24*20*20 = 19200
+#   fc1      addmm [24 x 20] @ [20 x 80]               2*24*20*80 = 76800
+#   fc2      addmm [24 x 80] @ [80 x 20]               2*24*80*20 = 76800
+# (On CPU, SDPA with dropout runs its math path: two bmm's around softmax and dropout.)
+# A plain backward runs two matmuls per linear layer (input and weight grads) and four bmm's for
+# attention: 2 * (57600 + 19200 + 76800 + 76800) + 4 * 11520 = 506880.
+
+PLAIN_BACKWARD_FLOPS = 506880
+QKV = ("addmm", (24, 20), (20, 60))
+SCORES = ("bmm", (4, 12, 10), (4, 10, 12))
+CONTEXT = ("bmm", (4, 12, 12), (4, 12, 10))
+PROJ = ("addmm", (24, 20), (20, 20))
+FC1 = ("addmm", (24, 20), (20, 80))
+FC2 = ("addmm", (24, 80), (80, 20))
+
+
+class _Matmuls(TorchDispatchMode):
+    """Records each matmul-family op as (name, shape of its left operand, of its right one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[tuple[str, tuple[int, ...], tuple[int, ...]]] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "bmm", "baddbmm"):
+            self.ops[(name, tuple(args[-2].shape), tuple(args[-1].shape))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _block_backward(policy: Any) -> tuple[int, Counter[Any], list[torch.Tensor | None]]:
+    """Backward FLOPs, matmuls run and grads of one GPT block, plainly or under ``policy``."""
+    block = _block()
+    block.mlp[0].register_forward_hook(lambda m, args, out: remat.tag(out, "fc1"))
+    x = torch.randn(_B, _T, _D, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    torch.manual_seed(2)
+    out = block(x) if policy is None else remat.checkpoint(block, x, policy=policy)
+    with FlopCounterMode(display=False) as flops, _Matmuls() as matmuls:
+        out.square().sum().backward()
+    return flops.get_total_flops(), matmuls.ops, [x.grad, *(p.grad for p in block.parameters())]
+
+
+def test_plain_block_backward_is_what_the_count_says() -> None:
+    flops, _, _ = _block_backward(None)
+    assert flops == PLAIN_BACKWARD_FLOPS
+
+
+def test_save_matmuls_replays_no_matmul_flops() -> None:
+    plain_flops, plain_ops, plain_grads = _block_backward(None)
+    flops, ops, grads = _block_backward(policies.save_matmuls)
+    assert flops == plain_flops == PLAIN_BACKWARD_FLOPS
+    assert ops == plain_ops
+    assert_equal(plain_grads, grads, "grads")
+
+
+@pytest.mark.parametrize(
+    ("policy", "replayed", "replayed_flops"),
+    [
+        (policies.save_everything, [], 0),
+        (policies.save_matmuls, [], 0),
+        # Everything the saved tensors depend on: q, k, v for attention's backward (qkv), the
+        # probabilities (scores), proj's input (context), ln2's input (proj), gelu's input (fc1).
+        # Not fc2: the MLP dropout's mask reads its output through empty_like, for its shape
+        # only (see test_metadata_only_reads_do_not_pull_their_producer_into_the_replay).
+        (
+            policies.recompute_everything,
+            [QKV, SCORES, CONTEXT, PROJ, FC1],
+            57600 + 11520 + 11520 + 19200 + 76800,
+        ),
+        # Only what runs inside SDPA: the probabilities come back from the scores; the output of
+        # probs @ v is not needed (the contiguous copy after it, outside SDPA, is kept).
+        (policies.recompute_attention_core, [SCORES], 11520),
+        # Outputs of 6000 bytes or more are recomputed: fc1 and gelu (24*80*4 = 7680 bytes
+        # each); qkv (5760), scores (2304) and every (24, 20) result (1920) are kept.
+        (policies.save_smaller_than(6000), [FC1], 76800),
+        # The tagged fc1 output is kept, everything else replayed as under recompute_everything.
+        (
+            policies.save_tagged("fc1"),
+            [QKV, SCORES, CONTEXT, PROJ],
+            57600 + 11520 + 11520 + 19200,
+        ),
+    ],
+    ids=lambda p: getattr(p, "__name__", None) if callable(p) else None,
+)
+def test_backward_flops_are_plain_plus_exactly_the_replayed_matmuls(
+    policy: Any, replayed: list[Any], replayed_flops: int
+) -> None:
+    _, plain_ops, plain_grads = _block_backward(None)
+    flops, ops, grads = _block_backward(policy)
+    assert ops - plain_ops == Counter(replayed) and not plain_ops - ops
+    assert flops == PLAIN_BACKWARD_FLOPS + replayed_flops
+    assert_equal(plain_grads, grads, "grads")
+
+
+def test_the_flop_count_sees_a_replay() -> None:
+    # The region engine re-runs the whole block, fc2 included: its FLOPs are a full forward.
+    block = _block()
+    x = _leaf(_B, _T, _D)
+    torch.manual_seed(2)
+    out = remat.checkpoint(copy.deepcopy(block), x)
+    with FlopCounterMode(display=False) as flops:
+        out.square().sum().backward()
+    forward = 57600 + 11520 + 11520 + 19200 + 76800 + 76800
+    assert flops.get_total_flops() == PLAIN_BACKWARD_FLOPS + forward
