@@ -45,6 +45,7 @@ NOTE [ Life of a replayed tensor ]
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -52,7 +53,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +71,7 @@ __all__: list[str] = []
 Key = int | tuple[str, int] | tuple[str, int, int]
 
 
-@dataclass(frozen=True)
-class Ref:
+class Ref(NamedTuple):
     """A tensor state in the recorded graph: result ``key`` of node ``node``."""
 
     node: int
@@ -148,7 +148,6 @@ class Node:
     feeds: bool = False  # a later random op starts where this one leaves the generator
     kept: dict[Key, _Held] = field(default_factory=dict)
     refs: tuple[Ref, ...] = ()  # every reference among the arguments, repeats included
-    call: Any = None  # the forward arguments, tensors held weakly, until region exit
 
 
 class _Packed:
@@ -160,8 +159,7 @@ class _Packed:
         self.ref = ref
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
     """How a tensor alive in forward is known: its reference, at which version, which object."""
 
     ref: Ref | _Input
@@ -199,6 +197,11 @@ class Graph:
         self.modules: list[str] = [""]
         self.in_attention = 0
         self.externals: dict[int, list[_External]] = {}
+        self._refs: list[Ref] = []
+        # Arguments of the last few ops, for remat.tag, which follows the op it names.
+        self.recent: collections.deque[tuple[int, tuple[Any, ...], dict[str, Any]]] = (
+            collections.deque(maxlen=8)
+        )
         self.inputs_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self.rng_after: dict[int, dict[int, list[tuple[Any, torch.Tensor | None]]]] = {}
         self.paused = False  # the engine's own bookkeeping ops are not the region's
@@ -229,6 +232,8 @@ class Graph:
             return value
         entry = self.lookup(value)
         if entry is not None and entry.version == value._version:
+            if isinstance(entry.ref, Ref):
+                self._refs.append(entry.ref)
             return entry.ref
         if entry is not None:  # stale
             return self.hold(value.detach())
@@ -240,12 +245,15 @@ class Graph:
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         info = cached_op_info().get(func) or op_info(func)
+        facts = _FACTS.get(func) or _learn(func)
+        refs = self._refs = []
         node_args = _map(self.arg, args)
-        node_kwargs = {k: _map(self.arg, v) for k, v in kwargs.items()}
-        if func.overloadpacket.__name__ in _METADATA_ONLY and isinstance(args[0], torch.Tensor):
+        node_kwargs = {k: _map(self.arg, v) for k, v in kwargs.items()} if kwargs else {}
+        if facts.metadata_only and isinstance(args[0], torch.Tensor):
             like = args[0]
             meta = _Meta(tuple(like.shape), tuple(like.stride()), like.dtype, like.device)
             node_args = (meta, *node_args[1:])
+            refs = list(_refs_in((node_args, node_kwargs)))
         # Writes to external tensors run on snapshots, in forward and in replay alike.
         for position, name in info.writes:
             target = args[position] if position < len(args) else kwargs.get(name)
@@ -264,15 +272,18 @@ class Graph:
                         node_kwargs = {**node_kwargs, name: snapshot}
                 else:
                     self._before_write(target)
-        rng = _capture_rng(func, args, kwargs)
+        rng = _capture_rng(func, args, kwargs) if facts.random else None
         out = func(*args, **kwargs)
         index = len(self.nodes)
         module = self.modules[-1]
-        decision = self._decide(func, args, kwargs, out, module)
+        decision = self._decide(func, args, kwargs, out, module, facts.must_save)
         node = Node(func, node_args, node_kwargs, module, decision, info.writes, rng)
-        node.refs = tuple(_refs_in((node_args, node_kwargs)))
-        node.call = (_map(weakref.ref, args), {k: _map(weakref.ref, v) for k, v in kwargs.items()})
+        node.refs = tuple(refs)
+        self.recent.append((index, args, kwargs))
         self.nodes.append(node)
+        if type(out) is torch.Tensor and not info.writes:  # the common case: one new result
+            self._bind(out, Ref(index, 0), node, False)
+            return out
         # Autograd bumps the version of each written tensor after this returns: bind the
         # written states at the version they will have when the next op reads them.
         written = {
@@ -307,21 +318,21 @@ class Graph:
             node.kept[ref.key] = self.hold(t.detach())
 
     def _decide(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, module: str
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        module: str,
+        reason: str | None,
     ) -> Decision:
-        # What keeping the results holds: a view (an alias in the schema) holds its storage.
-        info = cached_op_info().get(func) or op_info(func)
-        results = out if isinstance(out, (tuple, list)) else (out,)
-        size = sum(
-            (t.numel() * t.element_size() if fresh else t.untyped_storage().nbytes())
-            for result, fresh in zip(results, info.fresh, strict=False)
-            for t in _leaves(result)
-            if isinstance(t, torch.Tensor) and t.layout is torch.strided
-        )
-        ctx = OpContext(module=module, output_bytes=size, in_attention=self.in_attention > 0)
-        decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
-        decision = resolve(decisions, func, module)
-        reason = must_save_reason(func)
+        ctx = OpContext(module=module, in_attention=self.in_attention > 0, outputs=(func, out))
+        if len(self.policies) == 1:
+            policy = self.policies[0]
+            decision = as_decision(policy(ctx, func, *args, **kwargs), policy, func)
+        else:
+            decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
+            decision = resolve(decisions, func, module)
         if reason is not None:
             if decision is Decision.MUST_RECOMPUTE:
                 raise RematError(
@@ -339,10 +350,8 @@ class Graph:
             return
         node = self.nodes[entry.ref.node]
         ctx = OpContext(module=node.module, tags=frozenset({name}))
-        args, kwargs = (
-            _map(_deref, node.call[0]),
-            {k: _map(_deref, v) for k, v in node.call[1].items()},
-        )
+        call = next((c for c in self.recent if c[0] == entry.ref.node), None)
+        args, kwargs = (call[1], call[2]) if call is not None else ((), {})
         decisions = [
             as_decision(p(ctx, node.op, *args, **kwargs), p, node.op) for p in self.policies
         ]
@@ -384,7 +393,6 @@ class Graph:
         previous: int | None = None  # the last random op, in recording order
         for index, node in enumerate(self.nodes):
             node.kept = {k: v for k, v in node.kept.items() if Ref(index, k) in reached}
-            node.call = None
             if index not in replayed:  # never replayed: its arguments and RNG state can go
                 if node.rng is not None:
                     previous = None  # it drew numbers that a replay will not draw
@@ -402,6 +410,7 @@ class Graph:
         self.current = {}
         self.held = {}
         self.externals = {}
+        self.recent.clear()
 
     def _alive_refs(self) -> Iterator[Ref]:
         for ref in self.packed:
@@ -638,15 +647,37 @@ def _map(fn: Callable[[Any], Any], value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(_map(fn, v) for v in value)
+        mapped = [
+            fn(v)
+            if isinstance(v, torch.Tensor)
+            else _map(fn, v)
+            if isinstance(v, (tuple, list))
+            else v
+            for v in value
+        ]
+        return mapped if isinstance(value, list) else tuple(mapped)
     return value
 
 
 _RECORDED = (Ref, _Input, _External, _Held, _Meta)
 
 
-def _deref(value: Any) -> Any:
-    return value() if isinstance(value, weakref.ref) else value
+class _OpFacts(NamedTuple):
+    metadata_only: bool
+    random: bool
+    must_save: str | None
+
+
+_FACTS: dict[torch._ops.OpOverload, _OpFacts] = {}
+
+
+def _learn(func: torch._ops.OpOverload) -> _OpFacts:
+    facts = _FACTS[func] = _OpFacts(
+        metadata_only=func.overloadpacket.__name__ in _METADATA_ONLY,
+        random=torch.Tag.nondeterministic_seeded in func.tags,
+        must_save=must_save_reason(func),
+    )
+    return facts
 
 
 def _map_recorded(fn: Callable[[Any], Any], value: Any) -> Any:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ._aten import op_info
 from .errors import RematError
 
 __all__ = [
@@ -76,21 +76,49 @@ _FROM_TORCH = {
 }
 
 
-@dataclass
 class OpContext:
     """What a policy knows about the op it decides for, besides the op and its arguments.
 
-    ``is_recompute`` is always ``False`` (policies run in forward only); it is there so that
-    torch selective-checkpointing policies that read it work unchanged.
+    ``module`` is the qualified name of the module the op ran in; ``tags`` the names given with
+    ``remat.tag`` (set when the policies are asked again about a tagged tensor's op);
+    ``in_attention`` whether the op runs inside ``scaled_dot_product_attention``;
+    ``output_bytes`` what keeping the op's results would hold (a view holds its whole storage),
+    or ``None`` when asked about a tagged tensor. ``is_recompute`` is always ``False``
+    (policies run in forward only); it is there so that torch selective-checkpointing policies
+    that read it work unchanged.
     """
 
-    module: str = ""
-    is_recompute: bool = False
-    tags: frozenset[str] = field(default_factory=frozenset)
-    # Bytes of the op's tensor outputs (None when asked again for a tagged tensor).
-    output_bytes: int | None = None
-    # Whether the op runs inside torch.nn.functional.scaled_dot_product_attention.
-    in_attention: bool = False
+    __slots__ = ("_bytes", "_outputs", "in_attention", "module", "tags")
+    is_recompute = False
+
+    def __init__(
+        self,
+        module: str = "",
+        tags: frozenset[str] = frozenset(),
+        in_attention: bool = False,
+        output_bytes: int | None = None,
+        outputs: tuple[Any, Any] | None = None,
+    ) -> None:
+        self.module = module
+        self.tags = tags
+        self.in_attention = in_attention
+        self._bytes = output_bytes
+        self._outputs = outputs  # (op, result), sized only if a policy asks
+
+    @property
+    def output_bytes(self) -> int | None:
+        if self._bytes is not None or self._outputs is None:
+            return self._bytes
+        op, out = self._outputs
+        fresh = op_info(op).fresh
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        total = 0
+        for result, is_fresh in zip(results, fresh, strict=False):
+            for t in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(t, torch.Tensor) and t.layout is torch.strided:
+                    size = t.numel() * t.element_size()
+                    total += size if is_fresh else t.untyped_storage().nbytes()
+        return total
 
 
 Policy: TypeAlias = Callable[..., "Decision | CheckpointPolicy | bool"]
