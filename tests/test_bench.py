@@ -133,3 +133,8 @@ def test_tracker_peak_matches_resident_memory_of_a_fresh_process() -> None:
     rss, tracked = result["rss_peak_bytes"], result["tracker_peak_bytes"]
     assert tracked > 1000 * 2**20  # about 1.1 GiB of activations
     assert abs(tracked - rss) <= 0.10 * rss, (tracked, rss)
+
+
+def test_recording_overhead_is_measured_per_op() -> None:
+    overhead = measure.recording_overhead(get_workload("gpt", "small"), repeats=60)
+    assert 0 < overhead < 10_000  # microseconds per op: positive, and not absurd
