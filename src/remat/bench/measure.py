@@ -129,7 +129,8 @@ def timed_step(step: Callable[[], Any], device: torch.device) -> tuple[float, bo
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - start
     others = (_busy_seconds() - busy) - (time.process_time() - own)
-    return wall, others > _CONTENDED * wall
+    # /proc/stat counts in clock ticks (10 ms): below two ticks a reading is quantisation.
+    return wall, others > max(_CONTENDED * wall, 2 / os.sysconf("SC_CLK_TCK"))
 
 
 def times(
