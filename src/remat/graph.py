@@ -26,33 +26,17 @@ A tensor seen in forward is identified by its TensorImpl and its version counter
    in forward, in forward state, so a replay never writes live tensors and reads what the op
    read then.
 
-NOTE [ Life of a replayed tensor ]
-
-1. forward: a node whose decision is *save* keeps its results; others keep none.
-2. region exit: kept results that no saved tensor can reach are dropped.
-3. first unpack in a backward (graph task ``g``): the cone of every saved tensor still alive is
-   computed, with a use count per result: one per consuming node in the cone, one per slot.
-4. unpack of slot ``s``: the missing part of its cone is replayed in recording order; each
-   result is cached while its use count is positive and dropped when it reaches zero; the
-   slot's tensor is handed to autograd and its count decremented.
-5. a backward that never asks for a slot leaves nothing cached: the counts belong to ``g``,
-   and go when ``g`` ends.
-6. random ops replay with the generator state they drew from. Of consecutive random ops that
-   a replay runs, only the first keeps its state (5,056 bytes for the CPU generator, as much as
-   a region of ``torch.utils.checkpoint`` keeps); each later one starts where the one before it
-   left the generator, so it is replayed after that one.
+How backward rebuilds a tensor from the records: ``_replay.py``, NOTE [ Life of a replayed
+tensor ].
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -62,7 +46,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _state
 from ._aten import cached_op_info, op_info
-from .errors import CheckpointError, RematError
+from ._nodes import (
+    _METADATA_ONLY,
+    Node,
+    Ref,
+    _Entry,
+    _External,
+    _Held,
+    _Input,
+    _key,
+    _leaves,
+    _map,
+    _Meta,
+    _Packed,
+    _refs_in,
+    _storage,
+)
+from ._replay import Replay
+from .errors import RematError
 from .policies import Decision, OpContext, as_decision, must_save_reason, resolve
 
 __all__: list[str] = []
@@ -71,113 +72,7 @@ __all__: list[str] = []
 Key = int | tuple[str, int] | tuple[str, int, int]
 
 
-class Ref(NamedTuple):
-    """A tensor state in the recorded graph: result ``key`` of node ``node``."""
-
-    node: int
-    key: Key
-
-
-@dataclass(frozen=True)
-class _Input:
-    index: int  # position among the region's tensor inputs
-
-
-@dataclass
-class _External:
-    """A tensor from outside the region, held; its version is checked at replay. When the
-    region later writes it in place, ``snapshot`` holds the state this read saw."""
-
-    tensor: torch.Tensor
-    version: int
-    snapshot: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class _Meta:
-    """A tensor argument an op reads only for its metadata (``empty_like(x)``): replayed as a
-    meta-device tensor with the same shape, strides and dtype, so the cone stops here."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-    def stand_in(self) -> torch.Tensor:
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
-
-
-# Ops that read their first tensor argument for its metadata only.
-_METADATA_ONLY = frozenset(
-    {
-        "empty_like",
-        "zeros_like",
-        "ones_like",
-        "full_like",
-        "rand_like",
-        "randn_like",
-        "randint_like",
-        "new_empty",
-        "new_empty_strided",
-        "new_zeros",
-        "new_ones",
-        "new_full",
-    }
-)
-
-
-@dataclass
-class _Held:
-    """A tensor held by reference (stale read or kept result); copied before it is written."""
-
-    tensor: torch.Tensor
-
-
-@dataclass
-class Node:
-    op: torch._ops.OpOverload
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    module: str
-    decision: Decision
-    writes: tuple[tuple[int, str], ...]
-    # (generator, state before the op) for a random op; the state is None when the op follows
-    # another random op of the replay, ``after``, and starts where that one left the generator.
-    rng: list[tuple[Any, torch.Tensor | None]] | None = None
-    after: int | None = None
-    feeds: bool = False  # a later random op starts where this one leaves the generator
-    kept: dict[Key, _Held] = field(default_factory=dict)
-    refs: tuple[Ref, ...] = ()  # every reference among the arguments, repeats included
-
-
-class _Packed:
-    """What autograd holds for one tensor saved in a graph region."""
-
-    __slots__ = ("__weakref__", "ref")
-
-    def __init__(self, ref: Ref | _Input | _Held) -> None:
-        self.ref = ref
-
-
-class _Entry(NamedTuple):
-    """How a tensor alive in forward is known: its reference, at which version, which object."""
-
-    ref: Ref | _Input
-    version: int
-    tensor: weakref.ref[torch.Tensor]
-
-
-def _key(t: torch.Tensor) -> int:
-    return int(t._cdata)
-
-
-def _storage(t: torch.Tensor) -> int | None:
-    if t.layout is not torch.strided:
-        return None
-    return int(t.untyped_storage()._cdata)
-
-
-class Graph:
+class Graph(Replay):
     """The recorded ops of one forward run of a graph-engine region."""
 
     def __init__(self, policies: list[Any], inputs: list[torch.Tensor]) -> None:
@@ -412,255 +307,6 @@ class Graph:
         self.externals = {}
         self.recent.clear()
 
-    def _alive_refs(self) -> Iterator[Ref]:
-        for ref in self.packed:
-            packed = ref()
-            if packed is not None and isinstance(packed.ref, Ref):
-                yield packed.ref
-
-    def _cone(
-        self, roots: Iterable[Ref], done: set[int] | None = None
-    ) -> tuple[list[int], set[Ref]]:
-        """The nodes to replay to rebuild ``roots`` (ascending), skipping ``done``, and the
-        kept results they read."""
-        seen: set[int] = set()
-        kept: set[Ref] = set()
-        stack = list(roots)
-        while stack:
-            r = stack.pop()
-            node = self.nodes[r.node]
-            if r.key in node.kept:
-                kept.add(r)
-                continue
-            if r.node in seen or (done is not None and r.node in done):
-                continue
-            seen.add(r.node)
-            stack.extend(node.refs)
-        return sorted(seen), kept
-
-    # -- replay ----------------------------------------------------------------------------------
-
-    def unpack(self, packed: _Packed) -> torch.Tensor:
-        ref = packed.ref
-        if isinstance(ref, _Held):
-            return ref.tensor
-        task = torch._C._current_graph_task_id()
-        outside = task == -1
-        if outside:
-            task = next(_outside_backward)
-        if task not in self.uses:
-            self._count_uses(task)
-            if not outside:
-                # What a backward leaves cached (slots it never asked for) goes when it ends.
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    functools.partial(self._end, task)
-                )
-        if isinstance(ref, _Input):
-            value = self._input(ref.index, task)
-        else:
-            value = self._materialize(ref, task)
-            self._use(ref, task)
-        if outside:
-            self._end(task)
-        return value
-
-    def _input(self, index: int, task: int) -> torch.Tensor:
-        """A region input, unpacked once per backward (an enclosing region lets each saved
-        tensor be read once per backward)."""
-        inputs = self.inputs_cache.get(task)
-        if inputs is None:
-            inputs = self.inputs_cache[task] = tuple(self.input_node.saved_tensors)
-        return inputs[index]
-
-    def _end(self, task: int) -> None:
-        self.uses.pop(task, None)
-        self.cache.pop(task, None)
-        self.ran.pop(task, None)
-        self.inputs_cache.pop(task, None)
-        self.rng_after.pop(task, None)
-
-    def _count_uses(self, task: int, roots: list[Ref] | None = None) -> None:
-        uses: dict[Ref, int] = {}
-        alive = list(self._alive_refs()) if roots is None else roots
-        for ref in alive:
-            uses[ref] = uses.get(ref, 0) + 1
-        for index in self._cone(alive)[0]:
-            for a in self.nodes[index].refs:
-                uses[a] = uses.get(a, 0) + 1
-        self.uses[task] = uses
-        self.cache[task] = {}
-        self.ran[task] = set()
-
-    def _use(self, ref: Ref, task: int) -> None:
-        uses = self.uses[task]
-        uses[ref] -= 1
-        if uses[ref] <= 0:
-            self.cache[task].pop(ref, None)
-
-    def _value(self, ref: Ref, task: int) -> torch.Tensor | None:
-        kept = self.nodes[ref.node].kept.get(ref.key)
-        if kept is not None:
-            return kept.tensor
-        return self.cache[task].get(ref)
-
-    def _materialize(self, ref: Ref, task: int) -> torch.Tensor:
-        value = self._value(ref, task)
-        if value is not None:
-            return value
-        cache, ran = self.cache[task], self.ran[task]
-        if ref.node in ran:
-            # Read a second time in this backward (a custom Function reading ctx.saved_tensors
-            # twice): rebuild it on its own, with counts for its cone only.
-            again = next(_outside_backward)
-            self._count_uses(again, [ref])
-            self.inputs_cache[again] = self.inputs_cache.get(task) or tuple(
-                self.input_node.saved_tensors
-            )
-            try:
-                return self._materialize(ref, again)
-            finally:
-                self._end(again)
-        with _replaying():
-            for index in self._to_run(ref, ran):
-                ran.add(index)
-                self._run(index, self.nodes[index], task, cache)
-        value = self._value(ref, task)
-        if value is None:
-            raise CheckpointError(
-                f"remat: replay did not rebuild {ref} ({self.nodes[ref.node].op})."
-            )
-        return value
-
-    def _to_run(self, ref: Ref, ran: set[int]) -> list[int]:
-        """The cone of ``ref`` not yet run, with the random ops whose end state it needs."""
-        nodes = set(self._cone([ref], ran)[0])
-        pending = [i for i in nodes if self.nodes[i].after is not None]
-        while pending:
-            before = self.nodes[pending.pop()].after
-            if before is None or before in ran or before in nodes:
-                continue
-            node = self.nodes[before]
-            extra = set(self._cone(node.refs, ran)[0]) | {before}
-            nodes |= extra
-            pending.extend(i for i in extra if self.nodes[i].after is not None)
-        return sorted(nodes)
-
-    def _shared(self, ref: Ref, t: torch.Tensor, task: int) -> bool:
-        """Whether writing ``t`` in place would change a value something else still needs."""
-        uses = self.uses[task]
-        if uses.get(ref, 0) > 1 or ref.key in self.nodes[ref.node].kept:
-            return True
-        storage = _storage(t)
-        return any(
-            other != ref and uses.get(other, 0) > 0 and _storage(value) == storage
-            for other, value in self.cache[task].items()
-        )
-
-    def _run(self, index: int, node: Node, task: int, cache: dict[Ref, torch.Tensor]) -> None:
-        uses = self.uses[task]
-        written: set[int | str] = {p for p, _ in node.writes} | {n for _, n in node.writes}
-
-        def resolve_arg(value: Any, position: int | str | None = None) -> Any:
-            if isinstance(value, Ref):
-                t = self._value(value, task)
-                if t is None:
-                    raise CheckpointError(
-                        f"remat: replaying {node.op} in {node.module or '(top)'} needs a result "
-                        f"of {self.nodes[value.node].op} that is gone."
-                    )
-                if position in written and self._shared(value, t, task):
-                    t = t.clone()  # another consumer still needs the state before this write
-                return t
-            if isinstance(value, _Input):
-                t = self._input(value.index, task)
-                return t.clone() if position in written else t  # never write a live input
-            if isinstance(value, _Meta):
-                return value.stand_in()
-            if isinstance(value, _External):
-                if value.snapshot is not None:
-                    return value.snapshot
-                if value.tensor._version != value.version:
-                    raise CheckpointError(
-                        f"remat: {node.op} in {node.module or '(top)'} read a tensor from outside "
-                        "the region that was modified in place after the forward pass; its "
-                        "recomputed result would differ. Keep it unmodified until backward, or "
-                        "save this op's result (MUST_SAVE)."
-                    )
-                return value.tensor
-            if isinstance(value, _Held):
-                return value.tensor.clone() if position in written else value.tensor
-            return value
-
-        args = tuple(
-            resolve_arg(a, i) if isinstance(a, _RECORDED) else _map_recorded(resolve_arg, a)
-            for i, a in enumerate(node.args)
-        )
-        if node.args and isinstance(node.args[0], _Meta) and node.kwargs.get("device") is None:
-            # The op made its result where its argument lived, not on the meta stand-in.
-            node_kwargs_device = {"device": node.args[0].device}
-        else:
-            node_kwargs_device = {}
-        kwargs = {
-            k: resolve_arg(v, k) if isinstance(v, _RECORDED) else _map_recorded(resolve_arg, v)
-            for k, v in node.kwargs.items()
-        }
-        states = node.rng
-        if node.after is not None and states is not None:
-            states = self.rng_after[task].pop(node.after)
-        with _replay_rng(states):
-            out = node.op(*args, **kwargs, **node_kwargs_device)
-            if node.feeds and states is not None:
-                self.rng_after.setdefault(task, {})[index] = [(g, g.get_state()) for g, _ in states]
-        results = out if isinstance(out, (tuple, list)) else (out,)
-        for k, result in enumerate(results):
-            if isinstance(result, torch.Tensor):
-                cache[Ref(index, k)] = result
-            elif isinstance(result, (tuple, list)):
-                for j, t in enumerate(result):
-                    cache[Ref(index, ("l", k, j))] = t
-        for position, name in node.writes:
-            target = args[position] if position < len(args) else kwargs.get(name)
-            if isinstance(target, torch.Tensor):
-                cache[Ref(index, ("w", position))] = target
-        for a in node.refs:
-            self._use(a, task)
-        for r in [r for r in cache if r.node == index and uses.get(r, 0) <= 0]:
-            del cache[r]
-
-
-_outside_backward = itertools.count(-2, -1)
-
-
-def _refs_in(tree: Any) -> Iterator[Ref]:
-    if isinstance(tree, Ref):
-        yield tree
-    elif isinstance(tree, (tuple, list)):
-        for item in tree:
-            yield from _refs_in(item)
-    elif isinstance(tree, dict):
-        for item in tree.values():
-            yield from _refs_in(item)
-
-
-def _map(fn: Callable[[Any], Any], value: Any) -> Any:
-    """``fn`` applied to the tensors in an op argument (tensors, lists and tuples of them)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        mapped = [
-            fn(v)
-            if isinstance(v, torch.Tensor)
-            else _map(fn, v)
-            if isinstance(v, (tuple, list))
-            else v
-            for v in value
-        ]
-        return mapped if isinstance(value, list) else tuple(mapped)
-    return value
-
-
-_RECORDED = (Ref, _Input, _External, _Held, _Meta)
-
 
 class _OpFacts(NamedTuple):
     metadata_only: bool
@@ -678,35 +324,6 @@ def _learn(func: torch._ops.OpOverload) -> _OpFacts:
         must_save=must_save_reason(func),
     )
     return facts
-
-
-def _map_recorded(fn: Callable[[Any], Any], value: Any) -> Any:
-    if isinstance(value, _RECORDED):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map_recorded(fn, v) for v in value)
-    return value
-
-
-def _leaves(value: Any) -> Iterator[Any]:
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _leaves(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _leaves(v)
-    else:
-        yield value
-
-
-@contextlib.contextmanager
-def _replaying() -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.no_grad())
-        for device_type in ("cpu", "cuda"):
-            if torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-        yield
 
 
 def _capture_rng(
@@ -732,23 +349,6 @@ def _device_generator(device: torch.device) -> Any:
     module = getattr(torch, device.type)
     index = device.index if device.index is not None else module.current_device()
     return module.default_generators[index]
-
-
-@contextlib.contextmanager
-def _replay_rng(states: list[tuple[Any, torch.Tensor | None]] | None) -> Iterator[None]:
-    if states is None:
-        yield
-        return
-    current = [(g, g.get_state()) for g, _ in states]
-    try:
-        for generator, state in states:
-            if state is None:
-                raise CheckpointError("remat: a random op was replayed before the one it follows.")
-            generator.set_state(state)
-        yield
-    finally:
-        for generator, state in current:
-            generator.set_state(state)
 
 
 class _AttentionScope(TorchFunctionMode):

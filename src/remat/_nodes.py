@@ -1,0 +1,175 @@
+"""The records of a graph-engine region: references to tensor states, nodes, what autograd
+holds. Shared by the recording (``graph.py``) and the replay (``_replay.py``); see NOTE
+[ Replay identity ] in ``graph.py``."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from .policies import Decision
+
+__all__: list[str] = []
+
+# A result index; ("w", position) for a written argument; ("l", index, item) in a list result.
+Key = int | tuple[str, int] | tuple[str, int, int]
+
+
+class Ref(NamedTuple):
+    """A tensor state in the recorded graph: result ``key`` of node ``node``."""
+
+    node: int
+    key: Key
+
+
+@dataclass(frozen=True)
+class _Input:
+    index: int  # position among the region's tensor inputs
+
+
+@dataclass
+class _External:
+    """A tensor from outside the region, held; its version is checked at replay. When the
+    region later writes it in place, ``snapshot`` holds the state this read saw."""
+
+    tensor: torch.Tensor
+    version: int
+    snapshot: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Meta:
+    """A tensor argument an op reads only for its metadata (``empty_like(x)``): replayed as a
+    meta-device tensor with the same shape, strides and dtype, so the cone stops here."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def stand_in(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
+
+
+# Ops that read their first tensor argument for its metadata only.
+_METADATA_ONLY = frozenset(
+    {
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+    }
+)
+
+
+@dataclass
+class _Held:
+    """A tensor held by reference (stale read or kept result); copied before it is written."""
+
+    tensor: torch.Tensor
+
+
+@dataclass
+class Node:
+    op: torch._ops.OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    module: str
+    decision: Decision
+    writes: tuple[tuple[int, str], ...]
+    # (generator, state before the op) for a random op; the state is None when the op follows
+    # another random op of the replay, ``after``, and starts where that one left the generator.
+    rng: list[tuple[Any, torch.Tensor | None]] | None = None
+    after: int | None = None
+    feeds: bool = False  # a later random op starts where this one leaves the generator
+    kept: dict[Key, _Held] = field(default_factory=dict)
+    refs: tuple[Ref, ...] = ()  # every reference among the arguments, repeats included
+
+
+class _Packed:
+    """What autograd holds for one tensor saved in a graph region."""
+
+    __slots__ = ("__weakref__", "ref")
+
+    def __init__(self, ref: Ref | _Input | _Held) -> None:
+        self.ref = ref
+
+
+class _Entry(NamedTuple):
+    """How a tensor alive in forward is known: its reference, at which version, which object."""
+
+    ref: Ref | _Input
+    version: int
+    tensor: weakref.ref[torch.Tensor]
+
+
+def _key(t: torch.Tensor) -> int:
+    return int(t._cdata)
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    if t.layout is not torch.strided:
+        return None
+    return int(t.untyped_storage()._cdata)
+
+
+def _refs_in(tree: Any) -> Iterator[Ref]:
+    if isinstance(tree, Ref):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for item in tree:
+            yield from _refs_in(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from _refs_in(item)
+
+
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``fn`` applied to the tensors in an op argument (tensors, lists and tuples of them)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        mapped = [
+            fn(v)
+            if isinstance(v, torch.Tensor)
+            else _map(fn, v)
+            if isinstance(v, (tuple, list))
+            else v
+            for v in value
+        ]
+        return mapped if isinstance(value, list) else tuple(mapped)
+    return value
+
+
+_RECORDED = (Ref, _Input, _External, _Held, _Meta)
+
+
+def _map_recorded(fn: Callable[[Any], Any], value: Any) -> Any:
+    if isinstance(value, _RECORDED):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_recorded(fn, v) for v in value)
+    return value
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    else:
+        yield value

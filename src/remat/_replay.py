@@ -1,0 +1,309 @@
+"""Replay of a graph-engine region in backward: rebuild a saved tensor from its records.
+
+NOTE [ Life of a replayed tensor ]
+
+1. forward: a node whose decision is *save* keeps its results; others keep none.
+2. region exit: kept results that no saved tensor can reach are dropped.
+3. first unpack in a backward (graph task ``g``): the cone of every saved tensor still alive is
+   computed, with a use count per result: one per consuming node in the cone, one per slot.
+4. unpack of slot ``s``: the missing part of its cone is replayed in recording order; each
+   result is cached while its use count is positive and dropped when it reaches zero; the
+   slot's tensor is handed to autograd and its count decremented.
+5. a backward that never asks for a slot leaves nothing cached: the counts belong to ``g``,
+   and go when ``g`` ends.
+6. random ops replay with the generator state they drew from. Of consecutive random ops that
+   a replay runs, only the first keeps its state (5,056 bytes for the CPU generator, as much as
+   a region of ``torch.utils.checkpoint`` keeps); each later one starts where the one before it
+   left the generator, so it is replayed after that one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ._nodes import (
+    _RECORDED,
+    Node,
+    Ref,
+    _External,
+    _Held,
+    _Input,
+    _map_recorded,
+    _Meta,
+    _Packed,
+    _storage,
+)
+from .errors import CheckpointError
+
+__all__: list[str] = []
+
+# A result index; ("w", position) for a written argument; ("l", index, item) in a list result.
+Key = int | tuple[str, int] | tuple[str, int, int]
+
+
+class Replay:
+    """The replay half of :class:`remat.graph.Graph`: per-backward use counts and caches."""
+
+    nodes: list[Node]
+    packed: list[weakref.ref[_Packed]]
+    input_node: Any
+    uses: dict[int, dict[Ref, int]]
+    cache: dict[int, dict[Ref, torch.Tensor]]
+    ran: dict[int, set[int]]
+    inputs_cache: dict[int, tuple[torch.Tensor, ...]]
+    rng_after: dict[int, dict[int, list[tuple[Any, torch.Tensor | None]]]]
+
+    def _alive_refs(self) -> Iterator[Ref]:
+        for ref in self.packed:
+            packed = ref()
+            if packed is not None and isinstance(packed.ref, Ref):
+                yield packed.ref
+
+    def _cone(
+        self, roots: Iterable[Ref], done: set[int] | None = None
+    ) -> tuple[list[int], set[Ref]]:
+        """The nodes to replay to rebuild ``roots`` (ascending), skipping ``done``, and the
+        kept results they read."""
+        seen: set[int] = set()
+        kept: set[Ref] = set()
+        stack = list(roots)
+        while stack:
+            r = stack.pop()
+            node = self.nodes[r.node]
+            if r.key in node.kept:
+                kept.add(r)
+                continue
+            if r.node in seen or (done is not None and r.node in done):
+                continue
+            seen.add(r.node)
+            stack.extend(node.refs)
+        return sorted(seen), kept
+
+    # -- replay ----------------------------------------------------------------------------------
+
+    def unpack(self, packed: _Packed) -> torch.Tensor:
+        ref = packed.ref
+        if isinstance(ref, _Held):
+            return ref.tensor
+        task = torch._C._current_graph_task_id()
+        outside = task == -1
+        if outside:
+            task = next(_outside_backward)
+        if task not in self.uses:
+            self._count_uses(task)
+            if not outside:
+                # What a backward leaves cached (slots it never asked for) goes when it ends.
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    functools.partial(self._end, task)
+                )
+        if isinstance(ref, _Input):
+            value = self._input(ref.index, task)
+        else:
+            value = self._materialize(ref, task)
+            self._use(ref, task)
+        if outside:
+            self._end(task)
+        return value
+
+    def _input(self, index: int, task: int) -> torch.Tensor:
+        """A region input, unpacked once per backward (an enclosing region lets each saved
+        tensor be read once per backward)."""
+        inputs = self.inputs_cache.get(task)
+        if inputs is None:
+            inputs = self.inputs_cache[task] = tuple(self.input_node.saved_tensors)
+        return inputs[index]
+
+    def _end(self, task: int) -> None:
+        self.uses.pop(task, None)
+        self.cache.pop(task, None)
+        self.ran.pop(task, None)
+        self.inputs_cache.pop(task, None)
+        self.rng_after.pop(task, None)
+
+    def _count_uses(self, task: int, roots: list[Ref] | None = None) -> None:
+        uses: dict[Ref, int] = {}
+        alive = list(self._alive_refs()) if roots is None else roots
+        for ref in alive:
+            uses[ref] = uses.get(ref, 0) + 1
+        for index in self._cone(alive)[0]:
+            for a in self.nodes[index].refs:
+                uses[a] = uses.get(a, 0) + 1
+        self.uses[task] = uses
+        self.cache[task] = {}
+        self.ran[task] = set()
+
+    def _use(self, ref: Ref, task: int) -> None:
+        uses = self.uses[task]
+        uses[ref] -= 1
+        if uses[ref] <= 0:
+            self.cache[task].pop(ref, None)
+
+    def _value(self, ref: Ref, task: int) -> torch.Tensor | None:
+        kept = self.nodes[ref.node].kept.get(ref.key)
+        if kept is not None:
+            return kept.tensor
+        return self.cache[task].get(ref)
+
+    def _materialize(self, ref: Ref, task: int) -> torch.Tensor:
+        value = self._value(ref, task)
+        if value is not None:
+            return value
+        cache, ran = self.cache[task], self.ran[task]
+        if ref.node in ran:
+            # Read a second time in this backward (a custom Function reading ctx.saved_tensors
+            # twice): rebuild it on its own, with counts for its cone only.
+            again = next(_outside_backward)
+            self._count_uses(again, [ref])
+            self.inputs_cache[again] = self.inputs_cache.get(task) or tuple(
+                self.input_node.saved_tensors
+            )
+            try:
+                return self._materialize(ref, again)
+            finally:
+                self._end(again)
+        with _replaying():
+            for index in self._to_run(ref, ran):
+                ran.add(index)
+                self._run(index, self.nodes[index], task, cache)
+        value = self._value(ref, task)
+        if value is None:
+            raise CheckpointError(
+                f"remat: replay did not rebuild {ref} ({self.nodes[ref.node].op})."
+            )
+        return value
+
+    def _to_run(self, ref: Ref, ran: set[int]) -> list[int]:
+        """The cone of ``ref`` not yet run, with the random ops whose end state it needs."""
+        nodes = set(self._cone([ref], ran)[0])
+        pending = [i for i in nodes if self.nodes[i].after is not None]
+        while pending:
+            before = self.nodes[pending.pop()].after
+            if before is None or before in ran or before in nodes:
+                continue
+            node = self.nodes[before]
+            extra = set(self._cone(node.refs, ran)[0]) | {before}
+            nodes |= extra
+            pending.extend(i for i in extra if self.nodes[i].after is not None)
+        return sorted(nodes)
+
+    def _shared(self, ref: Ref, t: torch.Tensor, task: int) -> bool:
+        """Whether writing ``t`` in place would change a value something else still needs."""
+        uses = self.uses[task]
+        if uses.get(ref, 0) > 1 or ref.key in self.nodes[ref.node].kept:
+            return True
+        storage = _storage(t)
+        return any(
+            other != ref and uses.get(other, 0) > 0 and _storage(value) == storage
+            for other, value in self.cache[task].items()
+        )
+
+    def _run(self, index: int, node: Node, task: int, cache: dict[Ref, torch.Tensor]) -> None:
+        uses = self.uses[task]
+        written: set[int | str] = {p for p, _ in node.writes} | {n for _, n in node.writes}
+
+        def resolve_arg(value: Any, position: int | str | None = None) -> Any:
+            if isinstance(value, Ref):
+                t = self._value(value, task)
+                if t is None:
+                    raise CheckpointError(
+                        f"remat: replaying {node.op} in {node.module or '(top)'} needs a result "
+                        f"of {self.nodes[value.node].op} that is gone."
+                    )
+                if position in written and self._shared(value, t, task):
+                    t = t.clone()  # another consumer still needs the state before this write
+                return t
+            if isinstance(value, _Input):
+                t = self._input(value.index, task)
+                return t.clone() if position in written else t  # never write a live input
+            if isinstance(value, _Meta):
+                return value.stand_in()
+            if isinstance(value, _External):
+                if value.snapshot is not None:
+                    return value.snapshot
+                if value.tensor._version != value.version:
+                    raise CheckpointError(
+                        f"remat: {node.op} in {node.module or '(top)'} read a tensor from outside "
+                        "the region that was modified in place after the forward pass; its "
+                        "recomputed result would differ. Keep it unmodified until backward, or "
+                        "save this op's result (MUST_SAVE)."
+                    )
+                return value.tensor
+            if isinstance(value, _Held):
+                return value.tensor.clone() if position in written else value.tensor
+            return value
+
+        args = tuple(
+            resolve_arg(a, i) if isinstance(a, _RECORDED) else _map_recorded(resolve_arg, a)
+            for i, a in enumerate(node.args)
+        )
+        if node.args and isinstance(node.args[0], _Meta) and node.kwargs.get("device") is None:
+            # The op made its result where its argument lived, not on the meta stand-in.
+            node_kwargs_device = {"device": node.args[0].device}
+        else:
+            node_kwargs_device = {}
+        kwargs = {
+            k: resolve_arg(v, k) if isinstance(v, _RECORDED) else _map_recorded(resolve_arg, v)
+            for k, v in node.kwargs.items()
+        }
+        states = node.rng
+        if node.after is not None and states is not None:
+            states = self.rng_after[task].pop(node.after)
+        with _replay_rng(states):
+            out = node.op(*args, **kwargs, **node_kwargs_device)
+            if node.feeds and states is not None:
+                self.rng_after.setdefault(task, {})[index] = [(g, g.get_state()) for g, _ in states]
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        for k, result in enumerate(results):
+            if isinstance(result, torch.Tensor):
+                cache[Ref(index, k)] = result
+            elif isinstance(result, (tuple, list)):
+                for j, t in enumerate(result):
+                    cache[Ref(index, ("l", k, j))] = t
+        for position, name in node.writes:
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(target, torch.Tensor):
+                cache[Ref(index, ("w", position))] = target
+        for a in node.refs:
+            self._use(a, task)
+        for r in [r for r in cache if r.node == index and uses.get(r, 0) <= 0]:
+            del cache[r]
+
+
+_outside_backward = itertools.count(-2, -1)
+
+
+_outside_backward = itertools.count(-2, -1)
+
+
+@contextlib.contextmanager
+def _replaying() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
+def _replay_rng(states: list[tuple[Any, torch.Tensor | None]] | None) -> Iterator[None]:
+    if states is None:
+        yield
+        return
+    current = [(g, g.get_state()) for g, _ in states]
+    try:
+        for generator, state in states:
+            if state is None:
+                raise CheckpointError("remat: a random op was replayed before the one it follows.")
+            generator.set_state(state)
+        yield
+    finally:
+        for generator, state in current:
+            generator.set_state(state)
