@@ -28,9 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._aten import cached_op_info, op_info
+from ._dispatch import EagerMode
 
 __all__: list[str] = []
 
@@ -41,20 +41,14 @@ def _storage_key(t: torch.Tensor) -> int | None:
     return int(t.untyped_storage()._cdata)
 
 
-class WriteGuard(TorchDispatchMode):
+class WriteGuard(EagerMode):
     """Redirect writes to external tensors onto throwaway copies; see [ State mutates once ]."""
 
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self._fresh: set[int] = set()
         self._info = cached_op_info()
         self.redirected = 0
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # The guard runs in eager recomputes only; without this, torch wraps every
-        # __torch_dispatch__ call in a Dynamo-disabling frame, which costs more than the guard.
-        return False
 
     def __torch_dispatch__(
         self,

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _state
 from ._aten import FRESH_ALIASES, cached_op_info, op_info
+from ._dispatch import EagerMode
 
 __all__: list[str] = []
 
@@ -285,20 +285,14 @@ class _Ledger:
 # -- operators -------------------------------------------------------------------------------
 
 
-class _AllocationMode(TorchDispatchMode):
+class _AllocationMode(EagerMode):
     """Enters each storage an operator creates; see [ Counting storages ]."""
 
     def __init__(self, ledger: _Ledger) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.ledger = ledger
         self._info = cached_op_info()
         self._names: dict[torch._ops.OpOverload, str] = {}
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # Eager accounting only; without this, torch wraps every __torch_dispatch__ call in a
-        # Dynamo-disabling frame, which costs more than the accounting.
-        return False
 
     def __torch_dispatch__(
         self,

@@ -49,10 +49,10 @@ from typing import Any, Literal
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _state
 from ._ambient import Ambient
+from ._dispatch import EagerMode
 from ._guard import WriteGuard
 from ._types import ContextFn
 from .errors import CheckpointError, RematError, did_you_mean
@@ -117,11 +117,11 @@ class _SaveInputs(torch.autograd.Function):
         raise AssertionError("remat: the input saver of a region is never differentiated")
 
 
-class _OpLog(TorchDispatchMode):
+class _OpLog(EagerMode):
     """Records the operators a run executes, for ``debug=True``."""
 
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.ops: list[str] = []
 
     def __torch_dispatch__(

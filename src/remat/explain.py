@@ -34,10 +34,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _state
 from ._aten import cached_op_info, op_info
+from ._dispatch import EagerMode
 from .errors import RematError
 
 __all__ = ["SavedTensor", "SavedTensorReport", "explain"]
@@ -205,18 +205,14 @@ class _StorageMap:
         return item[1]
 
 
-class _Producers(TorchDispatchMode):
+class _Producers(EagerMode):
     """Remembers which operator, in which module, allocated each storage."""
 
     def __init__(self, modules: list[str]) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.modules = modules
         self.producer = _StorageMap()
         self._info = cached_op_info()
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
 
     def __torch_dispatch__(
         self,

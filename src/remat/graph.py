@@ -42,10 +42,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _state
 from ._aten import cached_op_info, op_info
+from ._dispatch import EagerMode
 from ._nodes import (
     _METADATA_ONLY,
     Node,
@@ -374,16 +374,12 @@ class _AttentionScope(TorchFunctionMode):
             self.graph.in_attention -= 1
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(EagerMode):
     """Records every op of a graph-engine region into its :class:`Graph`."""
 
     def __init__(self, graph: Graph) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.graph = graph
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
 
     def __torch_dispatch__(
         self,

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._dispatch import EagerMode
 from ..workloads import Workload, get_workload
 from .strategies import get_strategy
 
@@ -175,9 +175,9 @@ def times(
     }
 
 
-class _CountOps(TorchDispatchMode):
+class _CountOps(EagerMode):
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.count = 0
 
     def __torch_dispatch__(
