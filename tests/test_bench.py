@@ -138,3 +138,15 @@ def test_tracker_peak_matches_resident_memory_of_a_fresh_process() -> None:
 def test_recording_overhead_is_measured_per_op() -> None:
     overhead = measure.recording_overhead(get_workload("gpt", "small"), repeats=60)
     assert 0 < overhead < 10_000  # microseconds per op: positive, and not absurd
+
+
+def test_strategies_are_timed_next_to_their_counterparts() -> None:
+    order = measure._adjacent(list(STRATEGIES))
+    assert sorted(order) == sorted(STRATEGIES)
+    for name in order:
+        other = get_strategy(name).counterpart
+        if other is not None:
+            chain = order[order.index(other) + 1 : order.index(name) + 1]
+            assert all(get_strategy(n).counterpart is not None for n in chain)
+    assert order.index("remat-block") == order.index("torch-block") + 1
+    assert order.index("remat-graph-mm") == order.index("torch-sac-mm") + 1

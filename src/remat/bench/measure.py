@@ -119,6 +119,28 @@ def _busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def _adjacent(names: list[str]) -> list[str]:
+    """``names`` ordered so that each strategy follows the one it is compared with."""
+    followers: dict[str, list[str]] = {}
+    roots = []
+    for name in names:
+        other = get_strategy(name).counterpart
+        if other in names:
+            followers.setdefault(other, []).append(name)
+        else:
+            roots.append(name)
+    order: list[str] = []
+
+    def place(name: str) -> None:
+        order.append(name)
+        for follower in followers.get(name, []):
+            place(follower)
+
+    for root in roots:
+        place(root)
+    return order
+
+
 def timed_step(step: Callable[[], Any], device: torch.device) -> tuple[float, bool]:
     """Wall seconds of one step, and whether other processes competed for the CPU during it."""
     if device.type == "cuda":
@@ -145,8 +167,14 @@ def times(
             _zero_grads(model)
     per_round: list[dict[str, float]] = []
     contended: list[bool] = []
+    base = _adjacent(names)
     for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
+        # Each strategy runs next to the one it is compared with, so that both see the same
+        # state of the process's heap; the order turns and reverses from round to round.
+        shift = (3 * r) % len(base)
+        order = base[shift:] + base[:shift]
+        if r % 2:
+            order.reverse()
         seconds: dict[str, float] = {}
         busy = False
         for name in order:
