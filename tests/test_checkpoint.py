@@ -637,3 +637,24 @@ def test_use_reentrant_false_is_accepted() -> None:
 def test_errors_share_one_root() -> None:
     assert issubclass(remat.CheckpointError, remat.RematError)
     assert issubclass(remat.RematError, RuntimeError)
+
+
+def test_parameters_written_in_forward_are_written_once() -> None:
+    # Embedding(max_norm=...) renormalises rows of its weight in place in forward.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(10, 4, max_norm=0.5), nn.Linear(4, 4))
+    wrapped = remat.checkpoint_wrapper(copy.deepcopy(plain))
+    batches = [(torch.randint(0, 10, (3, 5)), torch.randn(3, 5, 4)) for _ in range(3)]
+    assert_records_equal(train(plain, batches, F.mse_loss), train(wrapped, batches, F.mse_loss))
+    # A parameter written in place under no_grad, as optimizers inside a region would.
+    p = nn.Parameter(torch.ones(3))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            p.mul_(2)
+        return (x * p).sum()
+
+    out = remat.checkpoint(fn, torch.ones(3, requires_grad=True))
+    assert torch.equal(p.detach(), torch.full((3,), 2.0))
+    out.backward()
+    assert torch.equal(p.detach(), torch.full((3,), 2.0))  # not doubled again by the recompute

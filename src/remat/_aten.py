@@ -42,6 +42,18 @@ class OpInfo:
 _cache: dict[torch._ops.OpOverload, OpInfo] = {}
 
 
+def storage_key(t: torch.Tensor) -> int | None:
+    """A key for ``t``'s storage, unique among live storages: the address of the StorageImpl,
+    which stays put when the storage is resized. ``None`` for tensors without a plain storage
+    (sparse, nested, wrapper subclasses); parameters are plain tensors here."""
+    if t.layout is not torch.strided or type(t) not in _PLAIN:
+        return None
+    return int(t.untyped_storage()._cdata)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def op_info(op: torch._ops.OpOverload) -> OpInfo:
     info = _cache.get(op)
     if info is None:

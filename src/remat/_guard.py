@@ -30,15 +30,10 @@ from typing import Any
 import torch
 
 from ._aten import cached_op_info, op_info
+from ._aten import storage_key as _storage_key
 from ._dispatch import EagerMode
 
 __all__: list[str] = []
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    if t.layout is not torch.strided or type(t) is not torch.Tensor:
-        return None
-    return int(t.untyped_storage()._cdata)
 
 
 class WriteGuard(EagerMode):

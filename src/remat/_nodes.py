@@ -119,12 +119,6 @@ def _key(t: torch.Tensor) -> int:
     return int(t._cdata)
 
 
-def _storage(t: torch.Tensor) -> int | None:
-    if t.layout is not torch.strided:
-        return None
-    return int(t.untyped_storage()._cdata)
-
-
 def _refs_in(tree: Any) -> Iterator[Ref]:
     if isinstance(tree, Ref):
         yield tree

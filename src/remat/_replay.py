@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
+from . import _state
+from ._aten import storage_key as _storage
 from ._nodes import (
     _RECORDED,
     Node,
@@ -38,7 +39,6 @@ from ._nodes import (
     _map_recorded,
     _Meta,
     _Packed,
-    _storage,
 )
 from .errors import CheckpointError
 
@@ -92,17 +92,12 @@ class Replay:
         ref = packed.ref
         if isinstance(ref, _Held):
             return ref.tensor
-        task = torch._C._current_graph_task_id()
-        outside = task == -1
-        if outside:
-            task = next(_outside_backward)
+        task, outside = _state.backward_task()
         if task not in self.uses:
             self._count_uses(task)
             if not outside:
                 # What a backward leaves cached (slots it never asked for) goes when it ends.
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    functools.partial(self._end, task)
-                )
+                _state.when_backward_ends(functools.partial(self._end, task))
         if isinstance(ref, _Input):
             value = self._input(ref.index, task)
         else:
@@ -159,7 +154,7 @@ class Replay:
         if ref.node in ran:
             # Read a second time in this backward (a custom Function reading ctx.saved_tensors
             # twice): rebuild it on its own, with counts for its cone only.
-            again = next(_outside_backward)
+            again = _state.made_up_task()
             self._count_uses(again, [ref])
             self.inputs_cache[again] = self.inputs_cache.get(task) or tuple(
                 self.input_node.saved_tensors
@@ -274,12 +269,6 @@ class Replay:
             self._use(a, task)
         for r in [r for r in cache if r.node == index and uses.get(r, 0) <= 0]:
             del cache[r]
-
-
-_outside_backward = itertools.count(-2, -1)
-
-
-_outside_backward = itertools.count(-2, -1)
 
 
 @contextlib.contextmanager

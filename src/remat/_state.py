@@ -7,8 +7,9 @@ each other's regions, and each is set by a context manager that restores the pre
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, Protocol
 
@@ -39,6 +40,30 @@ class _State(threading.local):
 
 
 state = _State()
+
+# Ids for reads of saved tensors outside any backward: a fresh negative one each time.
+_made_up_tasks = itertools.count(-2, -1)
+
+
+def made_up_task() -> int:
+    """A graph-task id no backward will ever have."""
+    return next(_made_up_tasks)
+
+
+def backward_task() -> tuple[int, bool]:
+    """The running backward's graph-task id, and whether there is none (the id is made up).
+
+    Both engines keep what they rebuild per graph task; a made-up task lasts one unpack.
+    """
+    task = torch._C._current_graph_task_id()
+    if task == -1:
+        return made_up_task(), True
+    return task, False
+
+
+def when_backward_ends(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward finishes."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def is_checkpointing() -> bool:

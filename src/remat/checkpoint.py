@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -69,9 +68,6 @@ _USUAL_CAUSES = (
     "second time, a module switched between train() and eval(), or preserve_rng_state=False "
     "with random ops inside. Pass debug=True to see the operators of both runs."
 )
-
-# Graph-task ids for unpacks that happen outside any backward (e.g. reading `grad_fn._saved_*`).
-_outside_backward = itertools.count(-2, -1)
 
 
 class _StopRecompute(BaseException):
@@ -187,18 +183,13 @@ class _Frame:
     # -- backward --------------------------------------------------------------------------
 
     def unpack(self, slot: _Slot) -> torch.Tensor:
-        task = torch._C._current_graph_task_id()
-        outside = task == -1
-        if outside:
-            task = next(_outside_backward)
+        task, outside = _state.backward_task()
         store = self.recomputed.get(task)
         if store is None:
             store = self._recompute(task)
             if not outside:
                 # Rebuilt tensors that this backward never asks for go when it ends.
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    functools.partial(self._forget, task)
-                )
+                _state.when_backward_ends(functools.partial(self._forget, task))
         t = store.pop(slot, None)
         if outside:
             self._forget(task)
@@ -486,13 +477,7 @@ def run_region(
         )
         if isinstance(v, torch.Tensor)
     ]
-    dummy = torch.empty(0, requires_grad=True)
-    _state.state.saving_region_inputs = True
-    try:
-        with _host_offload() if offload_inputs else contextlib.nullcontext():
-            frame.input_node = _SaveInputs.apply(dummy, *tensors, *nested).grad_fn  # type: ignore[no-untyped-call]
-    finally:
-        _state.state.saving_region_inputs = False
+    frame.input_node = save_inputs([*tensors, *nested], offload_inputs)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack))
@@ -504,6 +489,19 @@ def run_region(
         out = function(*args, **kwargs)
     ambient.check_forward_done()
     return out
+
+
+def save_inputs(tensors: list[torch.Tensor], offload: bool) -> Any:
+    """Save a region's tensor inputs through autograd, so that an enclosing region manages
+    them (Rule 2 of [ Nested regions ]); returns the node that holds them. With ``offload``,
+    they wait in host memory."""
+    dummy = torch.empty(0, requires_grad=True)
+    _state.state.saving_region_inputs = True
+    try:
+        with _host_offload() if offload else contextlib.nullcontext():
+            return _SaveInputs.apply(dummy, *tensors).grad_fn  # type: ignore[no-untyped-call]
+    finally:
+        _state.state.saving_region_inputs = False
 
 
 def _host_offload() -> torch.autograd.graph.saved_tensors_hooks:

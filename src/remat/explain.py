@@ -37,6 +37,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _state
 from ._aten import cached_op_info, op_info
+from ._aten import storage_key as _key
 from ._dispatch import EagerMode
 from .errors import RematError
 
@@ -178,12 +179,6 @@ class SavedTensorReport:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
-
-
-def _key(t: torch.Tensor) -> int | None:
-    if t.layout is not torch.strided or type(t) not in (torch.Tensor, nn.Parameter):
-        return None
-    return int(t.untyped_storage()._cdata)
 
 
 class _StorageMap:

@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _state
 from ._aten import cached_op_info, op_info
+from ._aten import storage_key as _storage
 from ._dispatch import EagerMode
 from ._nodes import (
     _METADATA_ONLY,
@@ -60,7 +61,6 @@ from ._nodes import (
     _Meta,
     _Packed,
     _refs_in,
-    _storage,
 )
 from ._replay import Replay
 from .errors import RematError
@@ -430,7 +430,7 @@ def recording(
     ``inputs`` are the region's tensor inputs, saved so that an enclosing region manages them;
     ``module_names`` maps ``id(module)`` to the name to report for ops run inside it.
     """
-    from .checkpoint import _host_offload, _SaveInputs
+    from .checkpoint import save_inputs
 
     active = _state.state.graph
     if active is not None:
@@ -443,13 +443,7 @@ def recording(
         return
     graph = Graph([policy], inputs)
     graph.modules = [root]  # the module whose forward the region is, if any
-    dummy = torch.empty(0, requires_grad=True)
-    _state.state.saving_region_inputs = True
-    try:
-        with _host_offload() if offload_inputs else contextlib.nullcontext():
-            graph.input_node = _SaveInputs.apply(dummy, *inputs).grad_fn  # type: ignore[no-untyped-call]
-    finally:
-        _state.state.saving_region_inputs = False
+    graph.input_node = save_inputs(inputs, offload_inputs)
     _state.state.graph = graph
     try:
         with contextlib.ExitStack() as stack:

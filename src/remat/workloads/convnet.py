@@ -95,14 +95,10 @@ class ConvNet(nn.Module):
         return logits
 
 
-def _image_batch(
-    batch_size: int,
-    in_channels: int,
-    image_size: int,
-    num_classes: int,
-    generator: torch.Generator,
-) -> tuple[Tensor, Tensor]:
-    x = torch.randn(
+def _images(
+    batch_size: int, in_channels: int, image_size: int, generator: torch.Generator
+) -> Tensor:
+    return torch.randn(
         batch_size,
         in_channels,
         image_size,
@@ -110,6 +106,16 @@ def _image_batch(
         generator=generator,
         device=generator.device,
     )
+
+
+def _image_batch(
+    batch_size: int,
+    in_channels: int,
+    image_size: int,
+    num_classes: int,
+    generator: torch.Generator,
+) -> tuple[Tensor, Tensor]:
+    x = _images(batch_size, in_channels, image_size, generator)
     target = torch.randint(
         0, num_classes, (batch_size,), generator=generator, device=generator.device
     )

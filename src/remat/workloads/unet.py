@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ._base import Workload
-from .convnet import _cross_entropy
+from .convnet import _cross_entropy, _images
 
 __all__: list[str] = []
 
@@ -94,14 +94,7 @@ def _segmentation_batch(
     num_classes: int,
     generator: torch.Generator,
 ) -> tuple[Tensor, Tensor]:
-    x = torch.randn(
-        batch_size,
-        in_channels,
-        image_size,
-        image_size,
-        generator=generator,
-        device=generator.device,
-    )
+    x = _images(batch_size, in_channels, image_size, generator)
     target = torch.randint(
         0,
         num_classes,
