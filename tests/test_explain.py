@@ -80,7 +80,7 @@ def test_offload_inputs_on_cpu_are_reported_as_kept_in_host_memory() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     remat.checkpoint_wrapper(model[0], offload_to_cpu=True)
     report = explain(model, torch.randn(2, 4, requires_grad=True))
-    assert report.rows[0].how == "region input, already in host memory"
+    assert report.rows[0].how == "not offloaded: already in host memory"
 
 
 def test_explain_changes_neither_buffers_nor_random_state() -> None:

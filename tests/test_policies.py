@@ -76,8 +76,21 @@ def _held_by_forward(fn: Any, *args: torch.Tensor, policy: Any) -> int:
 
 
 def test_decision_properties() -> None:
-    assert [d for d in Decision if d.must] == [Decision.MUST_SAVE, Decision.MUST_RECOMPUTE]
-    assert [d for d in Decision if d.save] == [Decision.MUST_SAVE, Decision.PREFER_SAVE]
+    D = Decision
+    assert [d for d in D if d.must] == [
+        D.MUST_SAVE,
+        D.MUST_RECOMPUTE,
+        D.MUST_OFFLOAD_HOST,
+        D.MUST_OFFLOAD_DISK,
+    ]
+    assert [d for d in D if d.save] == [D.MUST_SAVE, D.PREFER_SAVE]
+    assert [d for d in D if d.recompute] == [D.MUST_RECOMPUTE, D.PREFER_RECOMPUTE]
+    assert {d: d.offload for d in D if d.offload} == {
+        D.MUST_OFFLOAD_HOST: "host",
+        D.PREFER_OFFLOAD_HOST: "host",
+        D.MUST_OFFLOAD_DISK: "disk",
+        D.PREFER_OFFLOAD_DISK: "disk",
+    }
 
 
 @pytest.mark.parametrize(
@@ -88,6 +101,8 @@ def test_decision_properties() -> None:
         (CheckpointPolicy.PREFER_SAVE, Decision.PREFER_SAVE),
         (CheckpointPolicy.MUST_RECOMPUTE, Decision.MUST_RECOMPUTE),
         (CheckpointPolicy.PREFER_RECOMPUTE, Decision.PREFER_RECOMPUTE),
+        (CheckpointPolicy.MUST_CPU_OFFLOAD, Decision.MUST_OFFLOAD_HOST),
+        (CheckpointPolicy.PREFER_CPU_OFFLOAD, Decision.PREFER_OFFLOAD_HOST),
         (True, Decision.MUST_SAVE),  # as in torch: True saves
         (False, Decision.PREFER_RECOMPUTE),
     ],
@@ -108,14 +123,6 @@ def test_a_policy_returning_something_else_raises_with_its_name_and_value(return
     expected = f"policy undecided returned {returned!r} ({type(returned).__name__}) for aten.exp"
     with pytest.raises(remat.RematError, match=re.escape(expected)):
         remat.checkpoint(lambda t: t.exp().sum(), _leaf(3), policy=undecided)
-
-
-def test_cpu_offload_decisions_are_refused() -> None:
-    def offload(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_CPU_OFFLOAD
-
-    with pytest.raises(remat.RematError, match=r"policy offload returned .*CPU offload"):
-        remat.checkpoint(lambda t: t.exp().sum(), _leaf(3), policy=offload)
 
 
 def test_resolve_follows_the_rules() -> None:

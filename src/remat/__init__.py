@@ -1,10 +1,12 @@
 """remat: train PyTorch models whose activations do not fit in memory.
 
-For each tensor autograd saves for backward, remat keeps it, or drops it and rebuilds it in
-backward, with gradients bit-identical to a plain run.
+For each tensor autograd saves for backward, remat keeps it, moves it to host memory or disk
+until backward, or drops it and rebuilds it in backward, with gradients bit-identical to a
+plain run.
 """
 
 from . import policies as policies
+from . import store as store
 from ._state import disable_checkpointing as disable_checkpointing
 from ._state import is_checkpointing as is_checkpointing
 from ._state import is_recomputing as is_recomputing
@@ -18,6 +20,7 @@ from .graph import tag as tag
 from .modules import apply as apply
 from .modules import checkpoint_sequential as checkpoint_sequential
 from .modules import checkpoint_wrapper as checkpoint_wrapper
+from .store import offload as offload
 from .track import MemoryReport as MemoryReport
 from .track import MemoryTracker as MemoryTracker
 
@@ -37,7 +40,9 @@ __all__ = [
     "explain",
     "is_checkpointing",
     "is_recomputing",
+    "offload",
     "policies",
     "region",
+    "store",
     "tag",
 ]

@@ -94,7 +94,7 @@ class Node:
     rng: list[tuple[Any, torch.Tensor | None]] | None = None
     after: int | None = None
     feeds: bool = False  # a later random op starts where this one leaves the generator
-    kept: dict[Key, _Held] = field(default_factory=dict)
+    kept: dict[Key, Any] = field(default_factory=dict)  # _Held, or Saved when offloaded
     refs: tuple[Ref, ...] = ()  # every reference among the arguments, repeats included
 
 

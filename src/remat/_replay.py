@@ -143,7 +143,8 @@ class Replay:
     def _value(self, ref: Ref, task: int) -> torch.Tensor | None:
         kept = self.nodes[ref.node].kept.get(ref.key)
         if kept is not None:
-            return kept.tensor
+            tensor: torch.Tensor = kept.tensor
+            return tensor
         return self.cache[task].get(ref)
 
     def _materialize(self, ref: Ref, task: int) -> torch.Tensor:

@@ -37,6 +37,8 @@ class _State(threading.local):
         self.observer: SaveObserver | None = None
         # The graph-engine region recording on this thread, if any.
         self.graph: Any = None
+        # The innermost ``remat.offload`` block on this thread, if any.
+        self.offload: Any = None
 
 
 state = _State()

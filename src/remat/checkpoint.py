@@ -494,39 +494,13 @@ def run_region(
 def save_inputs(tensors: list[torch.Tensor], offload: bool) -> Any:
     """Save a region's tensor inputs through autograd, so that an enclosing region manages
     them (Rule 2 of [ Nested regions ]); returns the node that holds them. With ``offload``,
-    they wait in host memory."""
+    those on an accelerator wait in the host tier (see NOTE [ Life of an offloaded tensor ])."""
+    from .store.scope import offload_hooks
+
     dummy = torch.empty(0, requires_grad=True)
     _state.state.saving_region_inputs = True
     try:
-        with _host_offload() if offload else contextlib.nullcontext():
+        with offload_hooks("host") if offload else contextlib.nullcontext():
             return _SaveInputs.apply(dummy, *tensors).grad_fn  # type: ignore[no-untyped-call]
     finally:
         _state.state.saving_region_inputs = False
-
-
-def _host_offload() -> torch.autograd.graph.saved_tensors_hooks:
-    """Saved-tensor hooks that keep accelerator tensors in pinned host memory until backward.
-
-    The device-to-host copy is asynchronous; the host-to-device copy back is queued on the
-    same stream, after it, so it never reads a half-written buffer.
-    """
-
-    def pack(t: torch.Tensor) -> Any:
-        observer = _state.state.observer
-        if t.device.type == "cpu":
-            if observer is not None:
-                observer.saved(t, "keep", "region input, already in host memory")
-            return t
-        if observer is not None:
-            observer.saved(t, "offload", "region input, pinned host memory")
-        host = torch.empty_like(t, device="cpu", pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return (t.device, host)
-
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        device, host = packed
-        return host.to(device, non_blocking=True)  # type: ignore[no-any-return]
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", type=Path, help="PNG output (default: bench-out/NAME.png)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--list", action="store_true", help="list strategies and workloads")
+    bench.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="pipelines instead: memory per stage and step time of the unet workload in "
+        "remat.pipe.Pipe and in one process per stage (2 partitions, 4 micro-batches)",
+    )
     return parser
 
 
@@ -59,6 +65,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.strategies import STRATEGIES, get_strategy
     from .workloads import WORKLOAD_NAMES, get_workload
 
+    if args.pipeline:
+        return _pipeline(args)
     if args.list:
         for entry in STRATEGIES.values():
             print(f"{entry.name:16} {entry.description}")
@@ -127,6 +135,26 @@ def _bench(args: argparse.Namespace) -> int:
     report.write_json(result, json_path)
     report.write_plot(result, plot_path)
     print(f"wrote {json_path} and {plot_path}")
+    return 0
+
+
+def _pipeline(args: argparse.Namespace) -> int:
+    from .bench import pipeline
+
+    if args.workload not in ("gpt", "unet") or args.hf is not None:
+        raise RematError(
+            "remat bench --pipeline: measures the unet workload (skip connections across "
+            f"stages); drop --workload {args.workload if args.hf is None else '--hf'}."
+        )
+    if args.rounds < 1:
+        raise RematError(f"remat bench: --rounds must be at least 1, got {args.rounds}.")
+    request = {"size": args.size, "rounds": args.rounds, "seed": args.seed}
+    request["device"] = args.device
+    result = pipeline.measure_in_subprocess(request)
+    print(result.table())
+    json_path = args.json or Path("bench-out") / f"pipeline-unet-{args.size}.json"
+    pipeline.write_json(result, json_path)
+    print(f"wrote {json_path}")
     return 0
 
 

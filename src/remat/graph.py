@@ -65,6 +65,8 @@ from ._nodes import (
 from ._replay import Replay
 from .errors import RematError
 from .policies import Decision, OpContext, as_decision, must_save_reason, resolve
+from .store._store import Saved, Store
+from .store.scope import store_for
 
 __all__: list[str] = []
 
@@ -84,7 +86,8 @@ class Graph(Replay):
         for i, t in enumerate(inputs):
             if _key(t) not in self.current:
                 self.current[_key(t)] = _Entry(_Input(i), t._version, weakref.ref(t))
-        self.held: dict[int, list[_Held]] = {}  # storage -> values held by reference
+        self.held: dict[int, list[_Held | Saved]] = {}  # storage -> values held by reference
+        self.stores: set[Store] = set()  # the stores kept results were offloaded to
         self.packed: list[weakref.ref[_Packed]] = []
         self.uses: dict[int, dict[Ref, int]] = {}  # graph task -> remaining uses
         self.cache: dict[int, dict[Ref, torch.Tensor]] = {}
@@ -120,7 +123,10 @@ class Graph(Replay):
         storage = _storage(t)
         if storage is not None and storage in self.held:
             for held in self.held.pop(storage):
-                held.tensor = held.tensor.clone()
+                if isinstance(held, Saved):
+                    held.store.settle(held)  # its copy out reads the value before the write
+                else:
+                    held.tensor = held.tensor.clone()
 
     def arg(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -209,8 +215,36 @@ class Graph(Replay):
 
     def _bind(self, t: torch.Tensor, ref: Ref, node: Node, written: bool) -> None:
         self.current[_key(t)] = _Entry(ref, t._version + written, weakref.ref(t))
-        if node.decision.save:
+        if not node.decision.recompute:
             node.kept[ref.key] = self.hold(t.detach())
+
+    def _offload(self, ref: Ref) -> None:
+        """Move a kept result to its tier, if its decision (or the ``remat.offload`` block the
+        region runs in) says so. This happens when autograd saves it, or at region exit for
+        results only a replay reads; results nothing reads are never written out."""
+        node = self.nodes[ref.node]
+        held = node.kept.get(ref.key)
+        if not isinstance(held, _Held):
+            return
+        t = held.tensor
+        scope = _state.state.offload
+        if node.decision.offload is not None:
+            store = store_for(node.decision.offload)
+            if not store.takes(t):  # a CPU tensor and the host tier: in host memory already
+                return
+        elif scope is not None and scope.wants(t):
+            store = scope.store
+        else:
+            return
+        # ``t`` holds the value it had when recorded: copy-on-write (``_before_write``) gave
+        # it its own storage if anything wrote it since.
+        saved = store.pack(t, check_version=False)
+        self.stores.add(store)
+        node.kept[ref.key] = saved
+        holders = self.held.get(_storage(t) or -1, [])
+        for i, other in enumerate(holders):
+            if other is held:
+                holders[i] = saved
 
     def _decide(
         self,
@@ -228,12 +262,13 @@ class Graph(Replay):
         else:
             decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
             decision = resolve(decisions, func, module)
-        if reason is not None:
+        if reason is not None and decision.recompute:
             if decision is Decision.MUST_RECOMPUTE:
                 raise RematError(
                     f"remat: a policy says MUST_RECOMPUTE for {func} in module "
                     f"{module or '(top)'}, which cannot be replayed safely: {reason}. Return "
-                    "PREFER_RECOMPUTE (it yields to saving here) or MUST_SAVE for it."
+                    "PREFER_RECOMPUTE (it yields to saving here), MUST_SAVE or an OFFLOAD "
+                    "decision for it."
                 )
             return Decision.MUST_SAVE
         return decision
@@ -251,7 +286,7 @@ class Graph(Replay):
             as_decision(p(ctx, node.op, *args, **kwargs), p, node.op) for p in self.policies
         ]
         decision = resolve(decisions, node.op, node.module)
-        if decision.save and not node.decision.save:
+        if not decision.recompute and node.decision.recompute:
             node.decision = decision
             node.kept[entry.ref.key] = self.hold(t.detach())
 
@@ -261,6 +296,8 @@ class Graph(Replay):
         entry = self.lookup(t)
         if entry is not None and entry.version == t._version:
             packed = _Packed(entry.ref)
+            if isinstance(entry.ref, Ref):
+                self._offload(entry.ref)
         else:
             self.paused = True
             try:
@@ -270,13 +307,16 @@ class Graph(Replay):
         self.packed.append(weakref.ref(packed))
         observer = _state.state.observer
         if observer is not None:
-            saved = (
-                isinstance(packed.ref, Ref) and packed.ref.key in self.nodes[packed.ref.node].kept
-            )
-            decision: _state.Decision = (
-                "recompute" if isinstance(packed.ref, Ref) and not saved else "keep"
-            )
-            observer.saved(t, decision, "graph engine")
+            ref = packed.ref
+            kept = self.nodes[ref.node].kept.get(ref.key) if isinstance(ref, Ref) else None
+            saved = kept is not None
+            if isinstance(kept, Saved):
+                observer.saved(t, "offload", f"graph engine, {kept.store.tier.name} tier")
+            else:
+                decision: _state.Decision = (
+                    "recompute" if isinstance(packed.ref, Ref) and not saved else "keep"
+                )
+                observer.saved(t, decision, "graph engine")
         return packed
 
     def finish(self) -> None:
@@ -288,6 +328,8 @@ class Graph(Replay):
         previous: int | None = None  # the last random op, in recording order
         for index, node in enumerate(self.nodes):
             node.kept = {k: v for k, v in node.kept.items() if Ref(index, k) in reached}
+            for key in list(node.kept):
+                self._offload(Ref(index, key))
             if index not in replayed:  # never replayed: its arguments and RNG state can go
                 if node.rng is not None:
                     previous = None  # it drew numbers that a replay will not draw
@@ -306,6 +348,9 @@ class Graph(Replay):
         self.held = {}
         self.externals = {}
         self.recent.clear()
+        for store in self.stores:  # a failed write raises here, before backward
+            store.flush()
+        self.stores = set()
 
 
 class _OpFacts(NamedTuple):

@@ -19,14 +19,19 @@ last.
 4. Some ops must be saved whatever the policies say (see ``must_save_reason``): their result
    could change in a recompute (``nonzero``, ``unique``, ``topk`` and ``sort`` used for
    routing, device syncs, collectives, ops with side effects). ``PREFER_RECOMPUTE`` yields to
-   that; ``MUST_RECOMPUTE`` on such an op raises, naming the op and the module.
+   that; ``MUST_RECOMPUTE`` on such an op raises, naming the op and the module. Offloading
+   them is fine: an offloaded tensor comes back as it was, it is not recomputed.
+5. An ``OFFLOAD_*`` decision names its tier; the tier object behind the name is the one
+   ``remat.store.tiers`` set for the thread (by default one host tier and one disk tier in the
+   system's temporary directory per process). Inside a ``remat.offload`` block, outputs a
+   policy keeps are offloaded to that block's tier too.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -39,6 +44,9 @@ __all__ = [
     "OpContext",
     "Policy",
     "must",
+    "offload_everything",
+    "offload_larger_than",
+    "offload_matmuls",
     "recompute_attention_core",
     "recompute_everything",
     "save_everything",
@@ -52,20 +60,41 @@ aten = torch.ops.aten
 
 
 class Decision(enum.Enum):
-    """What to do with one op's output."""
+    """What to do with one op's output: keep it where it is (``SAVE``), drop it and rebuild
+    it in backward (``RECOMPUTE``), or move it to a slower tier until backward needs it
+    (``OFFLOAD_HOST``: host memory; ``OFFLOAD_DISK``: files), each as a requirement
+    (``MUST_``) or a preference (``PREFER_``)."""
 
     MUST_SAVE = "must_save"
     PREFER_SAVE = "prefer_save"
     MUST_RECOMPUTE = "must_recompute"
     PREFER_RECOMPUTE = "prefer_recompute"
+    MUST_OFFLOAD_HOST = "must_offload_host"
+    PREFER_OFFLOAD_HOST = "prefer_offload_host"
+    MUST_OFFLOAD_DISK = "must_offload_disk"
+    PREFER_OFFLOAD_DISK = "prefer_offload_disk"
 
     @property
     def must(self) -> bool:
-        return self in (Decision.MUST_SAVE, Decision.MUST_RECOMPUTE)
+        return self.value.startswith("must_")
 
     @property
     def save(self) -> bool:
+        """Kept where it is."""
         return self in (Decision.MUST_SAVE, Decision.PREFER_SAVE)
+
+    @property
+    def recompute(self) -> bool:
+        return self in (Decision.MUST_RECOMPUTE, Decision.PREFER_RECOMPUTE)
+
+    @property
+    def offload(self) -> Literal["host", "disk"] | None:
+        """The tier an offload decision names, else ``None``."""
+        if self in (Decision.MUST_OFFLOAD_HOST, Decision.PREFER_OFFLOAD_HOST):
+            return "host"
+        if self in (Decision.MUST_OFFLOAD_DISK, Decision.PREFER_OFFLOAD_DISK):
+            return "disk"
+        return None
 
 
 _FROM_TORCH = {
@@ -73,6 +102,8 @@ _FROM_TORCH = {
     CheckpointPolicy.PREFER_SAVE: Decision.PREFER_SAVE,
     CheckpointPolicy.MUST_RECOMPUTE: Decision.MUST_RECOMPUTE,
     CheckpointPolicy.PREFER_RECOMPUTE: Decision.PREFER_RECOMPUTE,
+    CheckpointPolicy.MUST_CPU_OFFLOAD: Decision.MUST_OFFLOAD_HOST,
+    CheckpointPolicy.PREFER_CPU_OFFLOAD: Decision.PREFER_OFFLOAD_HOST,
 }
 
 
@@ -133,8 +164,8 @@ def as_decision(result: Any, policy: Any, op: Any) -> Decision:
         if result in _FROM_TORCH:
             return _FROM_TORCH[result]
         raise RematError(
-            f"remat: policy {_name(policy)} returned {result} for {op}; CPU offload decisions "
-            "are not supported by this engine yet. Return a save or recompute decision."
+            f"remat: policy {_name(policy)} returned {result} for {op}, a CheckpointPolicy this "
+            "version of remat does not know. Return a remat.policies.Decision."
         )
     if isinstance(result, bool):
         return Decision.MUST_SAVE if result else Decision.PREFER_RECOMPUTE
@@ -262,7 +293,8 @@ def recompute_attention_core(ctx: OpContext, op: Any, *args: Any, **kwargs: Any)
 
 
 def save_if_any(*policies: Policy) -> Policy:
-    """Keep an output if any of ``policies`` keeps it (JAX's ``save_from_both_policies``)."""
+    """Keep an output if any of ``policies`` keeps it (JAX's ``save_from_both_policies``);
+    else offload it if any offloads it (the first such decision); else recompute it."""
     if not policies or not all(callable(p) for p in policies):
         raise RematError(f"remat.policies.save_if_any: expected policies, got {policies!r}.")
 
@@ -271,6 +303,9 @@ def save_if_any(*policies: Policy) -> Policy:
         saves = [d for d in decisions if d.save]
         if saves:
             return Decision.MUST_SAVE if any(d.must for d in saves) else Decision.PREFER_SAVE
+        offloads = [d for d in decisions if d.offload]
+        if offloads:  # stored somewhere beats recomputed
+            return next((d for d in offloads if d.must), offloads[0])
         return (
             Decision.MUST_RECOMPUTE if any(d.must for d in decisions) else Decision.PREFER_RECOMPUTE
         )
@@ -279,13 +314,63 @@ def save_if_any(*policies: Policy) -> Policy:
     return policy
 
 
+_OFFLOAD = {
+    "host": Decision.PREFER_OFFLOAD_HOST,
+    "disk": Decision.PREFER_OFFLOAD_DISK,
+}
+
+
+def _offload_decision(caller: str, tier: str) -> Decision:
+    if tier not in _OFFLOAD:
+        raise RematError(f"remat.policies.{caller}: tier must be 'host' or 'disk', got {tier!r}.")
+    return _OFFLOAD[tier]
+
+
+def offload_everything(tier: str = "host") -> Policy:
+    """Move every output autograd needs to ``tier``: no recompute, and device memory only for
+    what is in flight; the cost is bandwidth."""
+    decision = _offload_decision("offload_everything", tier)
+
+    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return decision
+
+    policy.__name__ = f"offload_everything({tier!r})"
+    return policy
+
+
+def offload_matmuls(tier: str = "host") -> Policy:
+    """Offload the outputs of the expensive ops (``MATMULS``) and recompute the cheap ones
+    around them: backward replays no matmul, and keeps nothing on the device."""
+    decision = _offload_decision("offload_matmuls", tier)
+
+    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return decision if op in MATMULS else Decision.PREFER_RECOMPUTE
+
+    policy.__name__ = f"offload_matmuls({tier!r})"
+    return policy
+
+
+def offload_larger_than(nbytes: int, tier: str = "host") -> Policy:
+    """Offload outputs of at least ``nbytes`` and keep smaller ones: moving a small tensor
+    costs more in latency than it frees."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise RematError(
+            f"remat.policies.offload_larger_than: expected bytes >= 0, got {nbytes!r}."
+        )
+    decision = _offload_decision("offload_larger_than", tier)
+
+    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        large = ctx.output_bytes is None or ctx.output_bytes >= nbytes
+        return decision if large else Decision.PREFER_SAVE
+
+    policy.__name__ = f"offload_larger_than({nbytes}, {tier!r})"
+    return policy
+
+
 def must(policy: Policy) -> Policy:
     """``policy`` with every ``PREFER_*`` made ``MUST_*``, so that outer regions cannot
     override it."""
-    strong = {
-        Decision.PREFER_SAVE: Decision.MUST_SAVE,
-        Decision.PREFER_RECOMPUTE: Decision.MUST_RECOMPUTE,
-    }
+    strong = {d: Decision[d.name.replace("PREFER_", "MUST_")] for d in Decision if not d.must}
 
     def strict(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
         decision = as_decision(policy(ctx, op, *args, **kwargs), policy, op)

@@ -1,0 +1,335 @@
+"""One forward pass of an :class:`~remat.OffloadModel`, and the autograd node of each slice.
+
+Each slice is one :class:`_SliceFunction` node in the caller's graph: its forward runs the slice
+on every micro-batch and returns their outputs concatenated, on the compute device; its backward
+brings the slice back, computes the gradients of its input and parameters micro-batch by
+micro-batch, and sends the parameter gradients to the offload device. A :class:`Pass` holds what
+the backward of the slices needs; the nodes hold the pass, so it lives as long as the graph.
+See NOTE [ Life of a slice in one training step ] in ``_model.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from .. import _state
+from .._ambient import Ambient
+from .._guard import WriteGuard
+from ..errors import RematError
+from ._slices import Slice
+from ._stored import Place, Stored
+
+__all__: list[str] = []
+
+
+@dataclass
+class _Kept:
+    """The graph of one slice on one micro-batch, kept from forward (checkpoint_activation
+    False). It refers to its ends by edge, so that neither end's values stay alive."""
+
+    output: GradientEdge | None  # None when nothing in the slice requires grad
+    source: GradientEdge | None  # where the micro-batch entered; None if it needs no grad
+    params: list[GradientEdge]  # of the trainable parameters, in slice order
+
+
+@dataclass(frozen=True)
+class _ParamView:
+    """A saved tensor that is a view of a slice parameter: rebuilt from the loaded parameter
+    instead of being offloaded a second time."""
+
+    storage: int  # index into the slice's parameter storages
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _Source(torch.autograd.Function):
+    """Identity marking where a micro-batch enters a kept slice graph (see :class:`_Kept`)."""
+
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad
+
+
+class Pass:
+    """What one forward call of an OffloadModel leaves for its backward."""
+
+    def __init__(
+        self,
+        slices: list[Slice],
+        place: Place,
+        device: torch.device,
+        microbatches: int,
+        keep_activations: bool,
+    ) -> None:
+        self.slices = slices
+        self.place = place
+        self.device = device
+        self.microbatches = microbatches
+        self.keep = keep_activations
+        n = len(slices)
+        self.inputs: list[list[Stored]] = [[] for _ in range(n)]
+        self.ambients: list[list[Ambient]] = [[] for _ in range(n)]
+        self.kept: list[list[_Kept] | None] = [[] for _ in range(n)]
+        self.rows: list[list[int]] = [[] for _ in range(n)]
+        self.pending: dict[int, tuple[Stored | None, list[int]]] = {}
+        self.dummy = torch.empty(0, requires_grad=True)
+
+    def release(self) -> None:
+        """Forget everything stored for backward (files are removed)."""
+        self.inputs = [[] for _ in self.slices]
+        self.ambients = [[] for _ in self.slices]
+        self.kept = [None for _ in self.slices]
+        self.pending.clear()
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward_slice(self, index: int, x: torch.Tensor, input_grad: bool) -> torch.Tensor:
+        sl = self.slices[index]
+        if index + 1 < len(self.slices):
+            self.slices[index + 1].prefetch(self.device)
+        chunks = x.tensor_split(self.microbatches) if self.microbatches > 1 else (x,)
+        outs = []
+        with sl.on(self.device):
+            for xm in chunks:
+                if self.keep:
+                    out = self._forward_kept(sl, xm, input_grad)
+                else:
+                    out = self._forward_recomputed(sl, xm, input_grad)
+                outs.append(out)
+        self.rows[index] = [o.shape[0] if o.dim() else 1 for o in outs]
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _forward_recomputed(self, sl: Slice, xm: torch.Tensor, input_grad: bool) -> torch.Tensor:
+        # See [ Life of a slice in one training step ] step 2.
+        self.inputs[sl.index].append(self.place.store([xm.clone() if self.place.in_place else xm]))
+        ambient = Ambient.capture(preserve_rng_state=True)
+        with torch.enable_grad():
+            # As in the reference and in the recompute: some kernels choose their algorithm by
+            # whether autograd records (attention backends), so forward records too.
+            out = checked(sl.run(xm.detach().requires_grad_(input_grad)), sl, self.microbatches)
+        ambient.check_forward_done()
+        self.ambients[sl.index].append(ambient)
+        return out.detach()
+
+    def _forward_kept(self, sl: Slice, xm: torch.Tensor, input_grad: bool) -> torch.Tensor:
+        storages = list(sl.storages())
+        index = {ptr: i for i, ptr in enumerate(storages)}
+
+        def pack(t: torch.Tensor) -> Any:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in index:
+                return _ParamView(
+                    index[ptr], t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
+                )
+            return (self.place.store([t]), t.device)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, _ParamView):
+                storage = list(sl.storages().values())[packed.storage]
+                return torch.empty(0, dtype=packed.dtype, device=storage.device).set_(
+                    storage, packed.offset, packed.size, packed.stride
+                )
+            stored, device = packed
+            return stored.load(device)[0]  # type: ignore[no-any-return]
+
+        with torch.enable_grad():
+            src: torch.Tensor = (
+                _Source.apply(self.dummy, xm.detach())  # type: ignore[no-untyped-call]
+                if input_grad
+                else xm.detach()
+            )
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = checked(sl.run(src), sl, self.microbatches)
+        kept = self.kept[sl.index]
+        assert kept is not None
+        kept.append(
+            _Kept(
+                output=get_gradient_edge(out) if out.requires_grad else None,
+                source=get_gradient_edge(src) if input_grad else None,
+                params=[get_gradient_edge(p) for p in sl.params if p.requires_grad],
+            )
+        )
+        return out.detach()
+
+    # -- backward --------------------------------------------------------------------------
+
+    def backward_slice(
+        self, index: int, grad: torch.Tensor, input_grad: bool
+    ) -> torch.Tensor | None:
+        sl = self.slices[index]
+        if not self.inputs[index] and not self.kept[index]:
+            raise RematError(
+                f"remat: OffloadModel expected the stored activations of slice {index} for "
+                "this backward, found them freed: with checkpoint_activation=False the slices' "
+                "graphs are freed by the first backward (as retain_graph=False would), or the "
+                "forward failed. Run forward again, or use checkpoint_activation=True to run "
+                "backward twice over one forward."
+            )
+        if index > 0:
+            self.slices[index - 1].prefetch(self.device)
+        trainable = [i for i, p in enumerate(sl.params) if p.requires_grad]
+        acc: list[torch.Tensor | None] = [None] * len(sl.params)
+        chunks: tuple[torch.Tensor, ...] = (grad,)
+        if self.microbatches > 1:
+            chunks = grad.split(self.rows[index])  # type: ignore[no-untyped-call]
+        input_grads: list[torch.Tensor | None] = [None] * self.microbatches
+        with sl.on(self.device):
+            # Micro-batches in reverse: the order in which autograd accumulates the gradients
+            # of the reference run (see [ Life of a slice in one training step ] step 5).
+            for m in reversed(range(self.microbatches)):
+                if self.keep:
+                    g_input, g_params = self._backward_kept(index, m, chunks[m], input_grad)
+                else:
+                    g_input, g_params = self._backward_recomputed(
+                        sl, m, chunks[m], input_grad, trainable
+                    )
+                input_grads[m] = g_input
+                for position, g in zip(trainable, g_params, strict=True):
+                    if g is not None:
+                        previous = acc[position]
+                        acc[position] = g if previous is None else previous + g
+            if any(g is not None for g in acc):
+                # Like AccumulateGrad: new = old + sum over this backward's micro-batches.
+                old = sl.load_grads(self.device)
+                total = [
+                    o if a is None else (a if o is None else o + a)
+                    for o, a in zip(old, acc, strict=True)
+                ]
+                self.pending[index] = sl.store_grads(total)
+        if self.keep:
+            self.kept[index] = None
+        if not input_grad:
+            return None
+        parts = [
+            torch.zeros_like(c) if g is None else g
+            for g, c in zip(input_grads, chunks, strict=True)
+        ]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _backward_recomputed(
+        self, sl: Slice, m: int, grad: torch.Tensor, input_grad: bool, trainable: list[int]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        inputs = self.inputs[sl.index]
+        if m > 0:
+            inputs[m - 1].prefetch(self.device)
+        xm = inputs[m].load(self.device)[0].detach().requires_grad_(input_grad)
+        with (
+            torch.enable_grad(),
+            _state.recomputing(),
+            self.ambients[sl.index][m].replay(),
+            WriteGuard(),
+        ):
+            out = checked(sl.run(xm), sl, self.microbatches)
+        wanted: list[torch.Tensor] = [sl.params[i] for i in trainable]
+        if input_grad:
+            wanted.insert(0, xm)
+        return _grads(out if out.requires_grad else None, wanted, grad, input_grad)
+
+    def _backward_kept(
+        self, index: int, m: int, grad: torch.Tensor, input_grad: bool
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        kept = self.kept[index]
+        assert kept is not None
+        graph = kept[m]
+        wanted: list[GradientEdge] = list(graph.params)
+        if input_grad:
+            assert graph.source is not None
+            wanted.insert(0, graph.source)
+        return _grads(graph.output, wanted, grad, input_grad)
+
+    def commit(self) -> None:
+        """The last slice's backward is done: make the new gradients the slices' gradients,
+        once every byte of them is safely stored (else raise, and keep the old ones)."""
+        self.place.flush()
+        for index, (stored, positions) in self.pending.items():
+            sl = self.slices[index]
+            sl.grads, sl.grad_positions = stored, positions
+        self.pending.clear()
+
+
+def _grads(
+    output: torch.Tensor | GradientEdge | None,
+    wanted: list[Any],
+    grad: torch.Tensor,
+    input_grad: bool,
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """Gradients of ``wanted`` (input first when ``input_grad``), then split off the input's."""
+    if output is None:
+        found: list[torch.Tensor | None] = [None] * len(wanted)
+    else:
+        outputs: list[Any] = [output]
+        found = list(torch.autograd.grad(outputs, wanted, grad_outputs=[grad], allow_unused=True))
+    if input_grad:
+        return found[0], found[1:]
+    return None, found
+
+
+def checked(out: object, sl: Slice, microbatches: int) -> torch.Tensor:
+    last = sl.span.stop - 1
+    if not isinstance(out, torch.Tensor):
+        raise RematError(
+            f"remat: OffloadModel expected module {last} (the last of slice {sl.index}) to "
+            f"return one tensor, found {type(out).__name__}. Each slice passes one tensor to "
+            "the next; wrap modules that return tuples or dicts so that they return a tensor, "
+            "or choose num_slices so that such modules are not at the end of a slice."
+        )
+    if microbatches > 1 and out.dim() == 0:
+        raise RematError(
+            f"remat: OffloadModel expected module {last} (the last of slice {sl.index}) to "
+            f"return a tensor with a batch dimension, found a 0-d tensor with "
+            f"num_microbatches={microbatches}: micro-batch outputs are concatenated along "
+            "dim 0. Compute a scalar loss outside the model, on its output."
+        )
+    return out
+
+
+class _SliceFunction(torch.autograd.Function):
+    """One slice as one autograd node: see the module docstring."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, run: Pass, index: int, dummy: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.run = run
+        ctx.index = index
+        return run.forward_slice(index, x, bool(ctx.needs_input_grad[3]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, torch.Tensor | None]:
+        run: Pass = ctx.run
+        if torch.is_grad_enabled():
+            run.release()
+            raise RematError(
+                "remat: OffloadModel expected a first-order backward, found create_graph=True: "
+                "gradients of gradients through offloaded slices are not supported. Call "
+                "backward() without create_graph."
+            )
+        try:
+            input_grad = run.backward_slice(ctx.index, grad, bool(ctx.needs_input_grad[3]))
+            if ctx.index == 0:
+                run.commit()
+        except BaseException:
+            run.pending.clear()  # gradients stay as they were before this backward
+            raise
+        return None, None, None, input_grad
+
+
+def run_slices(run: Pass, x: torch.Tensor) -> torch.Tensor:
+    """The forward pass through every slice, recorded as one node per slice."""
+    try:
+        for sl in run.slices:
+            x = _SliceFunction.apply(run, sl.index, run.dummy, x)  # type: ignore[no-untyped-call]
+    except BaseException:
+        run.release()
+        raise
+    return x

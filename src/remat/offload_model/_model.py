@@ -1,0 +1,565 @@
+"""Train a model larger than the compute device's memory by keeping it on a slower tier.
+
+``OffloadModel`` splits a sequence of modules into slices. Parameters, gradients and optimizer
+state of every slice live on the *offload device*: host memory, or files on disk when even host
+memory is short (CPU training of a model whose parameters and optimizer state do not fit in
+RAM). A slice comes to the *compute device* only to run: for its forward, for its backward, for
+its optimizer step. Only the activations at slice boundaries are kept between forward and
+backward (on the offload device too), unless ``checkpoint_activation=False`` asks to keep the
+slices' inner activations as well. This is the design of fairscale's ``OffloadModel`` (after
+ZeRO-Offload, Ren et al. 2021, and L2L, Pudipeddi et al. 2020), with gradients bit-identical to
+a plain run, random ops replayed exactly on every device type, the optimizer step streamed
+slice by slice, and all-or-nothing updates when the disk fails.
+
+NOTE [ OffloadModel design ]
+
+1. Slices. The modules are split into ``num_slices`` contiguous groups, balanced by parameter
+   bytes: the largest slice is as small as possible (``_slices.partition``), since the
+   largest slice bounds the compute device's share of the model. ``slice_ranges`` lists them.
+2. Order. Forward runs each slice on every micro-batch before the next slice
+   (slice-major, as fairscale), so each slice moves in once per pass; backward runs the slices
+   in reverse, and the micro-batches of a slice in reverse too.
+3. Micro-batches. The input is split with ``x.tensor_split(num_microbatches)`` along dim 0;
+   the outputs of a slice are concatenated along dim 0 and passed on whole.
+4. ``checkpoint_activation=True``: a slice keeps only its input per micro-batch (on the offload
+   device) and the ambient state it ran under (``_ambient.Ambient``: CPU and every initialised
+   accelerator's generator, autocast). Backward reruns the slice from that input under the same
+   state, with :class:`~remat._guard.WriteGuard` so that buffers are written once (Rule 3 of the
+   architecture), then differentiates the rerun. ``checkpoint_activation=False``: the slice's
+   graph is kept from forward, and every tensor it saves goes to the offload device through
+   saved-tensor hooks (views of the slice's parameters are not copied: they are rebuilt from the
+   parameters when they are back). Its graph is freed by the first backward.
+5. Gradients. A slice's backward computes, per micro-batch, the gradients of its trainable
+   parameters (``torch.autograd.grad``, never ``AccumulateGrad``) and sums them in reverse
+   micro-batch order, which is the order in which autograd sums them in the reference run; then
+   ``new = old + sum`` as ``AccumulateGrad`` does, stored on the offload device.
+6. The reference that gradients equal bit for bit: the same modules run plainly on the same
+   micro-batches in the same slice-major order, outputs concatenated::
+
+       chunks = list(x.tensor_split(num_microbatches))
+       for r in model.slice_ranges:
+           chunks = [run modules r on c for c in chunks]
+       out = torch.cat(chunks)
+
+   With one micro-batch this is the plain model. The one case where the sums differ is a
+   parameter used more than once inside one slice with several micro-batches (autograd then
+   interleaves the uses of all micro-batches in one sum).
+7. Optimizer. ``configure_optimizer(factory)`` makes one optimizer per slice over the slice's
+   trainable parameters. ``step()`` brings each slice's parameters, gradients and optimizer
+   state in, steps, and stores the results as new copies. Element-wise optimizers (SGD, Adam,
+   AdamW, ...) give the same result as one optimizer over all parameters; anything that couples
+   parameters across slices (global gradient-norm clipping, LAMB's trust ratio over groups)
+   does not.
+8. All or nothing. Nothing already stored is overwritten: backward and ``step()`` store new
+   copies, wait for every write (``flush``), and only then switch to them, dropping the old. If
+   a write fails (disk full) the error is raised and the model, gradients and optimizer state
+   are as they were before the call. With ``offload_device="cpu"`` and a CPU compute device the
+   host copies *are* the tensors and the step updates them in place, like a plain optimizer.
+
+NOTE [ Life of a slice in one training step ]
+
+For slice ``s`` of ``S``, ``M`` micro-batches, ``checkpoint_activation=True``:
+
+1. forward, ``_SliceFunction.forward``: slice ``s+1``'s parameters start coming in (prefetch);
+   ``s``'s parameters come to the compute device.
+2. for each micro-batch ``m``: its input goes to the offload device; the ambient state is
+   captured; the slice runs; its output stays on the compute device for slice ``s+1``.
+3. the parameters are let go (nothing is written: they did not change); the outputs of all
+   micro-batches, concatenated, go on to slice ``s+1``.
+4. backward, ``_SliceFunction.backward`` with the gradient of that output: ``s``'s
+   parameters come in, ``s-1``'s start coming in.
+5. for ``m = M-1 .. 0``: the input of ``m`` comes back, the slice reruns under the captured
+   state and is differentiated; parameter gradients are summed; the input's gradient is kept.
+6. ``old + sum`` is stored as a new copy (pending); parameters are let go; the concatenated
+   input gradients go on to slice ``s-1``.
+7. after slice 0: every write is waited for, then all pending gradients replace the old ones.
+   If anything failed, the pending copies are dropped (their files removed).
+8. the boundary inputs stay until the graph is freed (a second backward reruns from them).
+
+What is where: parameters of an offloaded slice read as their host copies
+(``offload_device="cpu"``) or as empty tensors of their dtype (``"disk"``); buffers of an
+offloaded slice wait in host memory; gradients are held by the OffloadModel, not by
+``param.grad`` (read them with :meth:`OffloadModel.named_grads`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from ..errors import RematError, did_you_mean
+from ._autograd import Pass, checked, run_slices
+from ._slices import Slice, partition
+from ._stored import OffloadDevice, Place, Stored
+
+__all__ = ["OffloadModel"]
+
+_OFFLOAD_DEVICES = ("cpu", "disk")
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class OffloadModel(nn.Module):
+    """A sequence of modules trained slice by slice from host memory or disk.
+
+    Args:
+        model: an ``nn.Sequential`` or a list of modules, each feeding the next.
+        device: the compute device (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
+        offload_device: where parameters, gradients, optimizer state and slice-boundary
+            activations wait: ``"cpu"`` (host memory, pinned when ``device`` is CUDA) or
+            ``"disk"`` (files of a :class:`~remat.store.disk.DiskTier`; meant for training on
+            the CPU, also allowed with CUDA, through host memory).
+        num_slices: how many contiguous groups of modules to split ``model`` into, balanced by
+            parameter bytes; 1 to ``len(model)``.
+        num_microbatches: the input's rows are split into this many micro-batches, each run
+            through a slice before the next slice comes in.
+        checkpoint_activation: keep only the slices' inputs and rerun each slice in backward
+            (True), or keep every activation the slices save, on the offload device (False).
+        disk_directory: where the disk tier makes its private directory (default: the system's
+            temporary directory).
+
+    A training step::
+
+        model = remat.OffloadModel(layers, device="cpu", offload_device="disk", num_slices=8)
+        model.configure_optimizer(lambda params: torch.optim.AdamW(params, lr=1e-3))
+        loss = loss_fn(model(x), target)
+        loss.backward()
+        model.step()
+        model.zero_grad()
+
+    The forward pass takes one tensor (rows along dim 0) and returns one tensor on ``device``;
+    each slice, too, must pass one tensor to the next. See NOTE [ OffloadModel design ] in this
+    module for the exact semantics, and NOTE [ Life of a slice in one training step ].
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential | Sequence[nn.Module],
+        *,
+        device: str | torch.device,
+        offload_device: OffloadDevice,
+        num_slices: int,
+        num_microbatches: int = 1,
+        checkpoint_activation: bool = False,
+        disk_directory: str | os.PathLike[str] | None = None,
+    ) -> None:
+        super().__init__()
+        modules = _modules(model)
+        self.device = _device(device)
+        _check_choice("offload_device", offload_device, _OFFLOAD_DEVICES)
+        _check_int("num_slices", num_slices, 1, len(modules), "the number of modules")
+        _check_int("num_microbatches", num_microbatches, 1, None, "")
+        if not isinstance(checkpoint_activation, bool):
+            raise RematError(
+                f"remat: OffloadModel expected checkpoint_activation=True or False, found "
+                f"{checkpoint_activation!r} ({type(checkpoint_activation).__name__})."
+            )
+        self.module = model if isinstance(model, nn.Sequential) else nn.Sequential(*modules)
+        self.offload_device: OffloadDevice = offload_device
+        self.num_microbatches = num_microbatches
+        self.checkpoint_activation = checkpoint_activation
+        if offload_device == "disk":
+            _check_disk_available()
+        self._place = Place(offload_device, self.device, disk_directory)
+        try:
+            self._slices = _make_slices(self.module, modules, num_slices, self._place)
+        except BaseException:
+            self._place.close()
+            raise
+
+    # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def slice_ranges(self) -> tuple[range, ...]:
+        """The module indices of each slice, in order."""
+        return tuple(sl.span for sl in self._slices)
+
+    @property
+    def slice_bytes(self) -> tuple[int, ...]:
+        """Parameter bytes of each slice."""
+        return tuple(sl.nbytes for sl in self._slices)
+
+    @property
+    def disk_directory(self) -> str | None:
+        """The disk tier's private directory (removed by :meth:`close`), or None."""
+        return self._place.directory
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The per-slice optimizers (for learning-rate schedulers), after configure_optimizer."""
+        return tuple(sl.optimizer for sl in self._slices if sl.optimizer is not None)
+
+    def named_grads(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(name, gradient on the CPU or None)`` for every parameter, one slice at a time."""
+        cpu = torch.device("cpu")
+        for sl in self._slices:
+            grads = sl.load_grads(cpu)
+            yield from zip(sl.names, grads, strict=True)
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        x = x.to(self.device)
+        if not torch.is_grad_enabled():
+            # Nothing to keep for backward: each slice runs once on each micro-batch.
+            chunks = list(x.tensor_split(self.num_microbatches))
+            for sl in self._slices:
+                with sl.on(self.device):
+                    chunks = [checked(sl.run(c), sl, self.num_microbatches) for c in chunks]
+            return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        run = Pass(
+            self._slices,
+            self._place,
+            self.device,
+            self.num_microbatches,
+            keep_activations=not self.checkpoint_activation,
+        )
+        return run_slices(run, x)
+
+    def _check_input(self, x: object) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise RematError(
+                f"remat: OffloadModel expected one tensor as input, found {type(x).__name__}. "
+                "Pass a single tensor with the batch along dim 0; pack several inputs into one "
+                "tensor, or make the first module take them from a tensor."
+            )
+        rows = x.shape[0] if x.dim() else 0
+        if rows < self.num_microbatches:
+            raise RematError(
+                f"remat: OffloadModel expected an input with at least num_microbatches="
+                f"{self.num_microbatches} rows along dim 0, found shape {tuple(x.shape)}. Pass "
+                "a larger batch or a smaller num_microbatches."
+            )
+
+    # -- optimizer -------------------------------------------------------------------------
+
+    def configure_optimizer(self, factory: OptimizerFactory) -> None:
+        """Make one optimizer per slice with ``factory(trainable params of the slice)``.
+
+        Example: ``model.configure_optimizer(lambda ps: torch.optim.AdamW(ps, lr=1e-3))``.
+        Its state lives on the offload device, beside the parameters.
+        """
+        if not callable(factory):
+            raise RematError(
+                f"remat: OffloadModel.configure_optimizer expected a callable from a list of "
+                f"parameters to an optimizer, found {type(factory).__name__}. Pass e.g. "
+                "lambda params: torch.optim.AdamW(params, lr=1e-3)."
+            )
+        optimizers: list[torch.optim.Optimizer | None] = []
+        for sl in self._slices:
+            params = [p for p in sl.params if p.requires_grad]
+            if not params:
+                optimizers.append(None)
+                continue
+            optimizer = factory(params)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise RematError(
+                    f"remat: OffloadModel.configure_optimizer expected the factory to return a "
+                    f"torch.optim.Optimizer, found {type(optimizer).__name__}."
+                )
+            given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if given != {id(p) for p in params}:
+                raise RematError(
+                    f"remat: OffloadModel.configure_optimizer expected the optimizer of slice "
+                    f"{sl.index} to hold exactly the {len(params)} parameters it was given, "
+                    f"found {len(given)}. Build the optimizer from the list passed to the "
+                    "factory."
+                )
+            optimizers.append(optimizer)
+        for sl, made in zip(self._slices, optimizers, strict=True):
+            sl.optimizer, sl.state, sl.state_keys = made, None, []
+
+    def step(self) -> None:
+        """One optimizer step, slice by slice; all or nothing (NOTE [ OffloadModel design ] 8)."""
+        if all(sl.optimizer is None for sl in self._slices):
+            raise RematError(
+                "remat: OffloadModel.step expected optimizers, found none configured. Call "
+                "model.configure_optimizer(lambda params: torch.optim.AdamW(params, lr=...)) "
+                "first."
+            )
+        done: list[tuple[Slice, dict[Any, Any], Stored, Stored | None, list[Any]]] = []
+        try:
+            for sl in self._slices:
+                if sl.optimizer is None or sl.grads is None:
+                    continue
+                before = {p: dict(state) for p, state in sl.optimizer.state.items()}
+                try:
+                    new_params, new_state, keys = self._step_slice(sl)
+                except BaseException:
+                    sl.optimizer.state.clear()
+                    sl.optimizer.state.update(before)
+                    raise
+                done.append((sl, before, new_params, new_state, keys))
+            self._place.flush()
+        except BaseException:
+            for sl, before, _, _, _ in done:
+                assert sl.optimizer is not None
+                sl.optimizer.state.clear()
+                sl.optimizer.state.update(before)
+                sl.unload()
+            raise
+        for sl, _, new_params, new_state, keys in done:
+            sl.stored, sl.state, sl.state_keys = new_params, new_state, keys
+
+    def _step_slice(self, sl: Slice) -> tuple[Stored, Stored | None, list[Any]]:
+        assert sl.optimizer is not None
+        sl.load(self.device)
+        try:
+            for p, g in zip(sl.params, sl.load_grads(self.device), strict=True):
+                p.grad = g
+            sl.load_state(self.device)
+            sl.optimizer.step()
+            new_params = sl.stored if self._place.in_place else self._place.store(list(sl.params))
+            new_state, keys = sl.store_state()
+        except BaseException:
+            sl.unload()
+            raise
+        finally:
+            for p in sl.params:
+                p.grad = None
+        sl.unload(new_params)
+        return new_params, new_state, keys
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients (``set_to_none=False``: make them zeros instead)."""
+        for sl in self._slices:
+            if sl.grads is None:
+                continue
+            if set_to_none:
+                sl.grads, sl.grad_positions = None, []
+                continue
+            zeros = [torch.zeros_like(g) for g in sl.grads.load(torch.device("cpu"))]
+            sl.grads = self._place.store(zeros)
+        self._place.flush()
+
+    # -- state dict ------------------------------------------------------------------------
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped model's state dict: its keys, with every tensor gathered to the CPU."""
+        if args or kwargs:
+            raise RematError(
+                "remat: OffloadModel.state_dict expected no arguments, found some. Call "
+                "model.state_dict() and copy into your own dict."
+            )
+        values: dict[int, torch.Tensor] = {}
+        cpu = torch.device("cpu")
+        for sl in self._slices:
+            for p, t in zip(sl.params, sl.stored.load(cpu), strict=True):
+                values[id(p)] = t
+        out: dict[str, Any] = OrderedDict()
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor):
+                value = values.get(id(value), value).detach()
+            out[name] = value
+        return out
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """Copy a state dict of the wrapped model in; all or nothing, like ``step()``."""
+        if assign:
+            raise RematError(
+                "remat: OffloadModel.load_state_dict expected assign=False, found True: the "
+                "offloaded copies are OffloadModel's own. Drop assign=True."
+            )
+        own = self.module.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise RematError(
+                f"remat: OffloadModel.load_state_dict expected the wrapped model's keys, found "
+                f"{len(missing)} missing ({', '.join(missing[:5])}) and {len(unexpected)} "
+                f"unexpected ({', '.join(unexpected[:5])}). Pass strict=False to load a subset."
+            )
+        name_of = {id(v): k for k, v in own.items()}
+        new: list[tuple[Slice, Stored]] = []
+        for sl in self._slices:
+            keys = [name_of[id(p)] for p in sl.params]
+            if not any(k in state_dict for k in keys):
+                continue
+            current = sl.stored.load(torch.device("cpu"))
+            tensors = []
+            for key, old in zip(keys, current, strict=True):
+                value = state_dict.get(key)
+                if value is None:
+                    tensors.append(old.clone() if self._place.in_place else old)
+                    continue
+                if value.shape != old.shape:
+                    raise RematError(
+                        f"remat: OffloadModel.load_state_dict expected {key} of shape "
+                        f"{tuple(old.shape)}, found {tuple(value.shape)}."
+                    )
+                tensors.append(value.detach().to("cpu", old.dtype, copy=True))
+            new.append((sl, self._place.store(tensors)))
+        self._place.flush()
+        param_ids = {id(p) for sl in self._slices for p in sl.params}
+        with torch.no_grad():
+            for key, target in own.items():
+                if id(target) not in param_ids and key in state_dict:
+                    target.copy_(state_dict[key])
+        for sl, stored in new:
+            sl.stored = stored
+            sl.unload()
+        return _IncompatibleKeys(missing, unexpected)
+
+    # -- placement -------------------------------------------------------------------------
+
+    def _apply(self, fn: Any, recurse: bool = True) -> OffloadModel:
+        raise RematError(
+            "remat: OffloadModel places its parameters itself, found a call that moves or "
+            "converts them (.to, .cuda, .half...). Convert the model before wrapping it, and "
+            "pass the compute device as OffloadModel(..., device=...)."
+        )
+
+    def close(self) -> None:
+        """Remove the offloaded files now (also done when the model is collected or at exit).
+        The model cannot be used afterwards."""
+        self._place.close()
+
+    def extra_repr(self) -> str:
+        return (
+            f"device={self.device}, offload_device={self.offload_device!r}, "
+            f"num_slices={len(self._slices)}, num_microbatches={self.num_microbatches}, "
+            f"checkpoint_activation={self.checkpoint_activation}"
+        )
+
+
+# -- construction helpers --------------------------------------------------------------------
+
+
+def _modules(model: object) -> list[nn.Module]:
+    sequence = isinstance(model, (list, tuple)) and all(isinstance(m, nn.Module) for m in model)
+    if isinstance(model, nn.Sequential) or sequence:
+        modules: list[nn.Module] = list(model)  # type: ignore[call-overload]
+    else:
+        kind = type(model).__name__
+        if isinstance(model, (list, tuple)):
+            bad = next(m for m in model if not isinstance(m, nn.Module))
+            kind = f"a {type(model).__name__} holding a {type(bad).__name__}"
+        raise RematError(
+            f"remat: OffloadModel expected an nn.Sequential or a list of nn.Module, found "
+            f"{kind}. Pass the model's layers in forward order, e.g. "
+            "OffloadModel(nn.Sequential(embed, *blocks, head), ...)."
+        )
+    if not modules:
+        raise RematError(
+            "remat: OffloadModel expected at least one module, found an empty sequence."
+        )
+    return modules
+
+
+def _device(device: object) -> torch.device:
+    try:
+        parsed: torch.device = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as error:
+        raise RematError(
+            f"remat: OffloadModel expected a device such as 'cpu' or 'cuda:0', found "
+            f"{device!r} ({error})."
+        ) from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RematError(
+                f"remat: OffloadModel expected a usable compute device, found {device!r} but "
+                "CUDA is not available. Pass device='cpu'."
+            )
+        return torch.device(
+            "cuda", torch.cuda.current_device() if parsed.index is None else parsed.index
+        )
+    if parsed.type != "cpu":
+        raise RematError(
+            f"remat: OffloadModel expected device 'cpu' or 'cuda[:N]', found {device!r}."
+        )
+    return parsed
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        hint = did_you_mean(value, choices) if isinstance(value, str) else ""
+        raise RematError(
+            f"remat: OffloadModel expected {name} to be one of {', '.join(map(repr, choices))}, "
+            f"found {value!r}{hint}."
+        )
+
+
+def _check_int(name: str, value: object, low: int, high: int | None, high_what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RematError(
+            f"remat: OffloadModel expected {name} to be an int, found {value!r} "
+            f"({type(value).__name__})."
+        )
+    if value < low or (high is not None and value > high):
+        upper = f" and at most {high} ({high_what})" if high is not None else ""
+        raise RematError(
+            f"remat: OffloadModel expected {name} to be at least {low}{upper}, found {value}."
+        )
+
+
+def _check_disk_available() -> None:
+    try:
+        importlib.import_module("remat.store.disk")
+    except ImportError as error:
+        raise RematError(
+            f"remat: OffloadModel expected the disk tier (remat.store.disk) for "
+            f"offload_device='disk', found it unavailable ({error}). Use offload_device='cpu'."
+        ) from error
+
+
+def _make_slices(
+    sequential: nn.Sequential, modules: list[nn.Module], num_slices: int, place: Place
+) -> list[Slice]:
+    # Each parameter belongs to the first module that holds it; sharing across slices is refused.
+    owner: dict[int, int] = {}
+    params_of: list[list[tuple[str, nn.Parameter]]] = []
+    prefixes = [name for name, _ in sequential.named_children()]
+    for i, module in enumerate(modules):
+        found = []
+        for name, p in module.named_parameters():
+            if id(p) not in owner:
+                owner[id(p)] = i
+                found.append((f"{prefixes[i]}.{name}", p))
+        params_of.append(found)
+    weights = [sum(p.numel() * p.element_size() for _, p in ps) for ps in params_of]
+    ranges = partition(weights, num_slices)
+    slice_of = {i: s for s, r in enumerate(ranges) for i in r}
+    shared = []
+    for i, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            if slice_of[owner[id(p)]] != slice_of[i]:
+                first = slice_of[owner[id(p)]]
+                shared.append(f"{prefixes[i]}.{name} (slices {first} and {slice_of[i]})")
+    if shared:
+        raise RematError(
+            f"remat: OffloadModel expected every parameter to belong to one slice, found "
+            f"{len(shared)} shared across slices: {', '.join(shared[:5])}. Change num_slices "
+            "so that modules sharing parameters fall in one slice, or untie the parameters."
+        )
+    slices: list[Slice] = []
+    originals = [(p, p.data) for ps in params_of for _, p in ps]
+    try:
+        for s, span in enumerate(ranges):
+            named = [np for i in span for np in params_of[i]]
+            slices.append(
+                Slice(
+                    s,
+                    [modules[i] for i in span],
+                    span,
+                    [n for n, _ in named],
+                    [p for _, p in named],
+                    place,
+                )
+            )
+        place.flush()
+    except BaseException:
+        # A failed write (disk full): the caller's model is put back as it was.
+        for p, data in originals:
+            p.data = data
+        raise
+    return slices

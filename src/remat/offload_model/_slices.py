@@ -1,0 +1,181 @@
+"""Slices: contiguous groups of modules that come to the compute device one at a time.
+
+A :class:`Slice` owns the offloaded copies of its parameters, of their gradients and of its
+optimizer's state, each as one bundle (``_stored.py``), and moves them in and out. While a
+slice is offloaded its parameters read as the host copies (``offload_device="cpu"``) or as
+empty tensors of their dtype (``"disk"``); its buffers wait in host memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ._stored import Place, Stored
+
+__all__: list[str] = []
+
+
+def partition(weights: list[int], parts: int) -> list[range]:
+    """Split ``range(len(weights))`` into ``parts`` contiguous non-empty ranges whose largest
+    sum of weights is as small as possible (binary search on that sum, then a greedy fill)."""
+    n = len(weights)
+    assert 1 <= parts <= n
+
+    def groups_needed(limit: int) -> int:
+        count, load = 1, 0
+        for w in weights:
+            if load + w > limit:
+                count, load = count + 1, 0
+            load += w
+        return count
+
+    lo, hi = max(weights), sum(weights)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if groups_needed(mid) <= parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    ranges: list[range] = []
+    start, load = 0, 0
+    for i, w in enumerate(weights):
+        # Close the current group when item i would overflow it, or when every item left is
+        # needed to make one group each.
+        if i > start and (load + w > lo or n - i < parts - len(ranges)):
+            ranges.append(range(start, i))
+            start, load = i, 0
+        load += w
+    ranges.append(range(start, n))
+    assert len(ranges) == parts
+    return ranges
+
+
+class Slice:
+    """One group of modules, and the offloaded copies of everything it trains."""
+
+    def __init__(
+        self,
+        index: int,
+        modules: list[nn.Module],
+        span: range,
+        names: list[str],
+        params: list[nn.Parameter],
+        place: Place,
+    ) -> None:
+        self.index = index
+        self.modules = modules
+        self.span = span
+        self.names = names
+        self.params = params
+        self.place = place
+        self.nbytes = sum(p.numel() * p.element_size() for p in params)  # of its parameters
+        self.stored: Stored = place.store(list(params))
+        self.grads: Stored | None = None
+        self.grad_positions: list[int] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.state: Stored | None = None
+        self.state_keys: list[tuple[int, str, torch.device]] = []
+        self.loaded = False
+        self.unload()
+
+    def run(self, x: torch.Tensor) -> object:
+        out: object = x
+        for module in self.modules:
+            out = module(out)
+        return out
+
+    # -- parameters and buffers ------------------------------------------------------------
+
+    def prefetch(self, device: torch.device) -> None:
+        self.stored.prefetch(device)
+
+    def load(self, device: torch.device) -> None:
+        """Bring the parameters and buffers to ``device``."""
+        for p, t in zip(self.params, self.stored.load(device), strict=True):
+            p.data = t
+        self._move_buffers(device)
+        self.loaded = True
+
+    def unload(self, stored: Stored | None = None) -> None:
+        """Let go of the parameters on the compute device; they read as ``stored`` (by default
+        the committed copy) until the next load. Nothing is written: parameters change only in
+        :meth:`~remat.OffloadModel.step`, which stores them itself."""
+        for p, t in zip(self.params, (stored or self.stored).resident(), strict=True):
+            p.data = t
+        self._move_buffers(torch.device("cpu"))
+        self.loaded = False
+
+    def _move_buffers(self, device: torch.device) -> None:
+        for module in self.modules:
+            for owner in module.modules():
+                for name, b in owner._buffers.items():
+                    if b is not None and b.device != device:
+                        owner._buffers[name] = b.to(device)
+
+    @contextmanager
+    def on(self, device: torch.device) -> Iterator[None]:
+        """The slice on ``device`` for the duration of the block."""
+        self.load(device)
+        try:
+            yield
+        finally:
+            self.unload()
+
+    def storages(self) -> dict[int, torch.UntypedStorage]:
+        """The storages of the loaded parameters, by address (for recognising saved views)."""
+        found = {}
+        for p in self.params:
+            storage = p.untyped_storage()
+            if storage.data_ptr() != 0:
+                found[storage.data_ptr()] = storage
+        return found
+
+    # -- gradients -------------------------------------------------------------------------
+
+    def load_grads(self, device: torch.device) -> list[torch.Tensor | None]:
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        if self.grads is not None:
+            for position, g in zip(self.grad_positions, self.grads.load(device), strict=True):
+                grads[position] = g
+        return grads
+
+    def store_grads(self, grads: list[torch.Tensor | None]) -> tuple[Stored | None, list[int]]:
+        positions = [i for i, g in enumerate(grads) if g is not None]
+        if not positions:
+            return None, []
+        return self.place.store([g for g in grads if g is not None]), positions
+
+    # -- optimizer state -------------------------------------------------------------------
+
+    def load_state(self, device: torch.device) -> None:
+        if self.state is None or self.optimizer is None:
+            return
+        tensors = self.state.load(device)
+        for (position, key, home), t in zip(self.state_keys, tensors, strict=True):
+            self.optimizer.state[self.params[position]][key] = t if t.device == home else t.to(home)
+
+    def store_state(self) -> tuple[Stored | None, list[tuple[int, str, torch.device]]]:
+        """Offload the optimizer's state tensors; the state then holds their stand-ins."""
+        if self.optimizer is None:
+            return None, []
+        keys: list[tuple[int, str, torch.device]] = []
+        tensors: list[torch.Tensor] = []
+        for position, p in enumerate(self.params):
+            if p not in self.optimizer.state:
+                continue
+            state = self.optimizer.state[p]
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    keys.append((position, key, value.device))
+                    tensors.append(value)
+        if not tensors:
+            return None, []
+        stored = self.place.store(tensors)
+        for (position, key, _), stand_in in zip(keys, stored.resident(), strict=True):
+            self.optimizer.state[self.params[position]][key] = stand_in
+        return stored, keys

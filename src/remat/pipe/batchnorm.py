@@ -1,0 +1,127 @@
+"""BatchNorm whose running statistics see the whole mini-batch, not each micro-batch.
+
+Micro-batching a model with BatchNorm normalises each micro-batch with its own statistics,
+as a smaller batch would; that is the arithmetic of the plain model run micro-batch by
+micro-batch. What changes is the running statistics: updated once per micro-batch, they
+follow ``chunks`` small batches instead of one large one. :class:`DeferredBatchNorm` (after
+torchgpipe's) accumulates sums over the micro-batches of one mini-batch and updates the running
+statistics once, when the last micro-batch has passed, from the mini-batch's mean and unbiased
+variance. A recompute (``remat.is_recomputing()``) accumulates nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .._state import is_recomputing
+from ..errors import RematError
+
+__all__ = ["DeferredBatchNorm"]
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """A BatchNorm for ``chunks`` micro-batches per mini-batch; see the module docstring."""
+
+    sum: Tensor
+    sum_squares: Tensor
+    running_mean: Tensor
+    running_var: Tensor
+    num_batches_tracked: Tensor
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        chunks: int = 1,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
+        self.register_buffer("sum", torch.zeros_like(self.running_mean))
+        self.register_buffer("sum_squares", torch.zeros_like(self.running_var))
+        self.counter = 0
+        self.tracked = 0
+        self.chunks = chunks
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() <= 2:
+            raise RematError(
+                f"remat: DeferredBatchNorm takes (N, C, ...) inputs with spatial dimensions, got "
+                f"{input.dim()} dimensions {tuple(input.shape)}."
+            )
+
+    def _track(self, input: Tensor) -> bool:
+        dims = [0, *range(2, input.dim())]
+        with torch.no_grad():
+            self.sum += input.sum(dims)
+            self.sum_squares += (input**2).sum(dims)
+        self.counter += input.numel() // input.size(1)
+        self.tracked += 1
+        return self.tracked == self.chunks
+
+    def _commit(self) -> None:
+        self.num_batches_tracked += 1
+        momentum = self.momentum
+        factor = 1.0 / float(self.num_batches_tracked) if momentum is None else momentum
+        mean = self.sum / self.counter
+        var = self.sum_squares / self.counter - mean**2
+        var = var * (self.counter / max(self.counter - 1, 1))
+        with torch.no_grad():
+            self.running_mean.mul_(1 - factor).add_(mean * factor)
+            self.running_var.mul_(1 - factor).add_(var * factor)
+        self.sum.zero_()
+        self.sum_squares.zero_()
+        self.counter = 0
+        self.tracked = 0
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        if not self.training:
+            return F.batch_norm(
+                input,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                training=False,
+                momentum=0.0,
+                eps=self.eps,
+            )
+        if not is_recomputing() and self._track(input):
+            self._commit()
+        return F.batch_norm(
+            input,
+            None,
+            None,
+            self.weight,
+            self.bias,
+            training=True,
+            momentum=0.0,
+            eps=self.eps,
+        )
+
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
+        """``module`` with every ``nn.BatchNorm{1,2,3}d`` replaced, parameters and running
+        statistics carried over; returns ``module`` itself when it has none to replace."""
+        if isinstance(module, _BatchNorm) and module.track_running_stats:
+            if isinstance(module, DeferredBatchNorm):
+                return module
+            converted = cls(module.num_features, module.eps, module.momentum, module.affine, chunks)
+            if module.affine:
+                with torch.no_grad():
+                    converted.weight = module.weight
+                    converted.bias = module.bias
+            with torch.no_grad():
+                converted.running_mean.copy_(module.running_mean)  # type: ignore[arg-type]
+                converted.running_var.copy_(module.running_var)  # type: ignore[arg-type]
+                converted.num_batches_tracked.copy_(module.num_batches_tracked)  # type: ignore[arg-type]
+            converted.to(module.running_mean.device)  # type: ignore[union-attr]
+            converted.train(module.training)
+            return converted
+        for name, child in module.named_children():
+            module.add_module(name, cls.convert_deferred_batch_norm(child, chunks))
+        return module

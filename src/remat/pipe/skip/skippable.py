@@ -1,0 +1,274 @@
+"""``@skippable``: modules that hand tensors to later layers of an ``nn.Sequential``.
+
+A skippable module's ``forward`` is a generator. ``yield stash(name, tensor)`` hands a tensor
+over; ``x = yield pop(name)`` receives one that an earlier layer stashed::
+
+    @skippable(stash=["skip"])
+    class Down(nn.Module):
+        def forward(self, x):
+            yield stash("skip", x)
+            return self.pool(x)
+
+    @skippable(pop=["skip"])
+    class Up(nn.Module):
+        def forward(self, x):
+            skip = yield pop("skip")
+            return torch.cat([self.up(x), skip], dim=1)
+
+The same model runs as a plain ``nn.Sequential`` (the tensors go through a dictionary of the
+current thread) or in a :class:`~remat.pipe.Pipe`, which carries them between partitions through
+portals (``portal.py``). Names are declared up front so that :func:`verify_skippables` can check
+the wiring of a whole model before it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any, ClassVar, TypeAlias, TypeVar
+
+from torch import Tensor, nn
+
+from ...errors import RematError
+from ..microbatch import Batch, TensorOrTensors
+from .namespace import DEFAULT, Namespace
+from .tracker import current_skip_tracker
+
+__all__ = ["Skippable", "pop", "skippable", "stash", "verify_skippables"]
+
+Key = tuple[Namespace, str]
+
+
+class stash:
+    """``yield stash(name, tensor)``: hand ``tensor`` to the layer that pops ``name``."""
+
+    __slots__ = ("name", "tensor")
+
+    def __init__(self, name: str, tensor: Tensor | None) -> None:
+        self.name = name
+        self.tensor = tensor
+
+
+class pop:
+    """``tensor = yield pop(name)``: receive the tensor an earlier layer stashed as ``name``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+Command: TypeAlias = stash | pop
+
+# The type of a skippable ``forward``: yields commands, receives popped tensors, returns output.
+SkipGenerator: TypeAlias = Generator[Command, Tensor | None, TensorOrTensors]
+
+S = TypeVar("S", bound="Skippable")
+
+
+def _label(key: Key) -> str:
+    ns, name = key
+    return repr(name) if ns is DEFAULT else f"{name!r} in {ns!r}"
+
+
+class Skippable(nn.Module):
+    """Base of the classes :func:`skippable` makes; wraps one instance of the user's class.
+
+    The wrapped module is ``self.module``, so parameter names gain a ``module.`` component.
+    """
+
+    module_cls: ClassVar[type[nn.Module]]
+    stashable_names: ClassVar[frozenset[str]]
+    poppable_names: ClassVar[frozenset[str]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.module = self.module_cls(*args, **kwargs)
+        self.namespaces: dict[str, Namespace] = {}
+
+    def __repr__(self) -> str:
+        return f"@skippable({self.module!r})"
+
+    def namespaced(self, name: str) -> Key:
+        return self.namespaces.get(name, DEFAULT), name
+
+    def stashable(self) -> Iterator[Key]:
+        for name in sorted(self.stashable_names):
+            yield self.namespaced(name)
+
+    def poppable(self) -> Iterator[Key]:
+        for name in sorted(self.poppable_names):
+            yield self.namespaced(name)
+
+    def isolate(self: S, ns: Namespace, *, only: Iterable[str] | None = None) -> S:
+        """Put this module's skip names (or ``only`` these) in ``ns``; returns ``self``.
+
+        Pair a stash and its pop by isolating both in the same namespace::
+
+            ns = Namespace()
+            nn.Sequential(Down().isolate(ns), Middle(), Up().isolate(ns))
+        """
+        names = set(only) if only is not None else self.stashable_names | self.poppable_names
+        unknown = sorted(names - self.stashable_names - self.poppable_names)
+        if unknown:
+            raise RematError(
+                f"remat: {type(self).__name__}.isolate(only=...) names {unknown}, which it "
+                f"neither stashes nor pops; it declares stash={sorted(self.stashable_names)} "
+                f"and pop={sorted(self.poppable_names)}."
+            )
+        for name in names:
+            self.namespaces[name] = ns
+        return self
+
+    def dispatch(
+        self,
+        input: TensorOrTensors,
+        handle_stash: Callable[[str, Tensor | None], None],
+        handle_pop: Callable[[str], Tensor | None],
+    ) -> TensorOrTensors:
+        """Run the wrapped module, answering each command its generator yields."""
+        generator = self.module(input)
+        if not isinstance(generator, Generator):
+            out: TensorOrTensors = generator
+            return out
+        try:
+            command = next(generator)
+            while True:
+                if isinstance(command, stash):
+                    handle_stash(command.name, command.tensor)
+                    command = generator.send(None)
+                elif isinstance(command, pop):
+                    command = generator.send(handle_pop(command.name))
+                else:
+                    raise RematError(
+                        f"remat: {type(self).__name__}.forward yielded "
+                        f"{type(command).__name__}; a skippable forward yields only "
+                        "stash(name, tensor) or pop(name)."
+                    )
+        except StopIteration as stop:
+            result: TensorOrTensors = stop.value
+            return result
+
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
+        cls = type(self).__name__
+        tracker = current_skip_tracker()
+        batch = Batch(input)
+        # Every declared pop is taken at entry, so that the portal is tied to the input.
+        poppable = {name: tracker.load(batch, ns, name) for ns, name in self.poppable()}
+        stashed: dict[str, Tensor | None] = {}
+
+        def handle_stash(name: str, tensor: Tensor | None) -> None:
+            if name not in self.stashable_names:
+                raise RematError(
+                    f"remat: {cls} stashed {name!r}, but it declares "
+                    f"stash={sorted(self.stashable_names)}; add {name!r} to @skippable(stash=...)."
+                )
+            if name in stashed:
+                raise RematError(f"remat: {cls} stashed {name!r} twice in one forward.")
+            stashed[name] = tensor
+
+        def handle_pop(name: str) -> Tensor | None:
+            if name not in self.poppable_names:
+                raise RematError(
+                    f"remat: {cls} popped {name!r}, but it declares "
+                    f"pop={sorted(self.poppable_names)}; add {name!r} to @skippable(pop=...)."
+                )
+            if name not in poppable:
+                raise RematError(f"remat: {cls} popped {name!r} twice in one forward.")
+            return poppable.pop(name)
+
+        output = self.dispatch(batch.value, handle_stash, handle_pop)
+        missing = sorted(self.stashable_names - stashed.keys())
+        if missing:
+            raise RematError(
+                f"remat: {cls} declares stash={sorted(self.stashable_names)} but did not stash "
+                f"{missing} in this forward; every declared name must be stashed each time."
+            )
+        if poppable:
+            raise RematError(
+                f"remat: {cls} declares pop={sorted(self.poppable_names)} but did not pop "
+                f"{sorted(poppable)} in this forward; every declared name must be popped."
+            )
+        out = Batch(output)
+        for ns, name in self.stashable():
+            tracker.save(out, ns, name, stashed[name])
+        return out.value
+
+
+def skippable(
+    stash: Iterable[str] = (), pop: Iterable[str] = ()
+) -> Callable[[type[nn.Module]], type[Skippable]]:
+    """Declare the skip names a module class stashes and pops; see the module docstring."""
+    stash_names = frozenset(stash)
+    pop_names = frozenset(pop)
+    for names, what in ((stash_names, "stash"), (pop_names, "pop")):
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise RematError(f"remat: @skippable({what}=...) takes names as str, got {bad!r}.")
+
+    def decorate(cls: type[nn.Module]) -> type[Skippable]:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise RematError(
+                f"remat: @skippable decorates an nn.Module subclass, got {cls!r}; put it on "
+                "the class definition."
+            )
+        return type(
+            cls.__name__,
+            (Skippable,),
+            {
+                "module_cls": cls,
+                "stashable_names": stash_names,
+                "poppable_names": pop_names,
+                "__qualname__": cls.__qualname__,
+                "__module__": cls.__module__,
+                "__doc__": cls.__doc__,
+            },
+        )
+
+    return decorate
+
+
+def verify_skippables(module: nn.Sequential) -> None:
+    """Check the skip wiring of ``module`` and raise one error that lists every problem.
+
+    Each stashed name must be popped by exactly one later layer, each popped name must be
+    stashed by exactly one earlier layer; names repeated by blocks need namespaces
+    (``.isolate(Namespace())``).
+    """
+    problems: list[str] = []
+    stashed: dict[Key, int] = {}
+    popped: dict[Key, int] = {}
+    for index, layer in enumerate(module):
+        if not isinstance(layer, Skippable):
+            continue
+        where = f"layer {index} ({type(layer).__name__})"
+        for key in layer.poppable():
+            if key in popped:
+                problems.append(
+                    f"{_label(key)} is popped twice: by layer {popped[key]} and by {where}."
+                )
+            elif key not in stashed:
+                problems.append(
+                    f"{_label(key)} is popped by {where} but no earlier layer stashes it."
+                )
+            popped[key] = index
+        for key in layer.stashable():
+            if key in stashed:
+                problems.append(
+                    f"{_label(key)} is stashed twice: by layer {stashed[key]} and by {where}."
+                )
+            stashed[key] = index
+    for key, index in stashed.items():
+        if key not in popped or popped[key] < index:
+            problems.append(
+                f"{_label(key)} is stashed by layer {index} ({type(module[index]).__name__}) but "
+                "no later layer pops it."
+            )
+    if problems:
+        listing = "\n".join(f"  - {p}" for p in problems)
+        raise RematError(
+            f"remat: the skip connections of this nn.Sequential are wired wrongly "
+            f"({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n{listing}\n"
+            "Fix: declare each name in @skippable(stash=..., pop=...), stash it once before the "
+            "layer that pops it, and give each repeated stash/pop pair its own namespace with "
+            ".isolate(Namespace())."
+        )

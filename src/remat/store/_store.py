@@ -1,0 +1,243 @@
+"""The store: what autograd holds for an offloaded tensor, and how it comes back in time.
+
+NOTE [ Life of an offloaded tensor ]
+
+A tensor decided ``OFFLOAD`` (by a policy in a graph-engine region, by ``remat.offload`` for
+everything a block saves, or as a region input with ``offload_to_cpu``) goes through here:
+
+1. ``Store.pack(t)``: the tier stores ``t``'s whole *storage*, once: a second tensor saved
+   from the same storage at the same version (a view, a transpose, the same tensor saved by
+   two ops) shares the stored bytes, so views of one storage are stored once and come back as
+   views of one storage. Autograd holds a ``Saved`` that knows the tensor's dtype, shape,
+   strides and offset into the storage.
+2. Forward goes on; the tier copies or writes in the background. The ``Saved`` remembers
+   ``t``'s version and holds ``t`` weakly: if ``t`` is still alive in backward and was
+   written in place since, unpacking raises, as autograd does for a saved tensor modified in
+   place (saved-tensor hooks switch autograd's own check off).
+3. At the end of an offload scope (``remat.offload`` block, graph-engine region) the store
+   flushes the tier: a write that failed (a full disk) raises there, in forward, before
+   backward has touched any gradient.
+4. ``Store.unpack(saved)``, in backward: the storage's bytes are fetched (or taken from the
+   prefetch), and the next ``prefetch`` storages *saved before it* are prefetched, since
+   backward needs tensors in reverse order of saving. A storage that is back and still alive
+   (another view of it in use) is not fetched twice.
+5. Autograd may unpack again (``retain_graph``, a double backward): the stored bytes stay in
+   the tier until the last ``Saved`` of the storage is freed, then the tier drops them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..errors import RematError
+from ._tier import Ticket, Tier
+
+__all__: list[str] = []
+
+
+class _Stored:
+    """One storage's bytes in a tier."""
+
+    __slots__ = (
+        "__weakref__",
+        "back",
+        "device",
+        "key",
+        "nbytes",
+        "serial",
+        "ticket",
+        "users",
+        "version",
+    )
+
+    def __init__(
+        self, serial: int, ticket: Ticket, nbytes: int, device: torch.device, version: int
+    ) -> None:
+        self.key = 0  # the source storage's address, while it is alive
+        self.serial = serial
+        self.ticket = ticket
+        self.nbytes = nbytes
+        self.device = device
+        self.version = version
+        self.users = 0
+        # The storage as it came back, while something still uses it (Step 4).
+        self.back: weakref.ref[torch.UntypedStorage] | None = None
+
+
+class Saved:
+    """What autograd holds for one offloaded tensor; see NOTE [ Life of an offloaded tensor ]."""
+
+    __slots__ = ("dtype", "offset", "original", "shape", "store", "stored", "stride", "version")
+
+    def __init__(
+        self, store: Store, stored: _Stored, t: torch.Tensor, check: bool, version: int
+    ) -> None:
+        self.store = store
+        self.stored = stored
+        self.dtype = t.dtype
+        self.shape = t.shape
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.version = version
+        self.original = weakref.ref(t) if check else None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.store.unpack(self)
+
+    def __del__(self) -> None:
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.release(self.stored)
+
+
+class Store:
+    """Offloads saved storages to one tier and brings them back in reverse order of saving.
+
+    Args:
+        tier: where the bytes wait (``HostTier``, ``DiskTier`` or another ``Tier``).
+        prefetch: storages fetched ahead of the one backward asks for.
+    """
+
+    def __init__(self, tier: Tier, *, prefetch: int = 2) -> None:
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise RematError(f"remat: prefetch must be an int >= 0, got {prefetch!r}.")
+        self.tier = tier
+        self.prefetch = prefetch
+        self.stored_bytes = 0  # bytes in the tier now
+        self._serial = 0
+        self._order: list[_Stored] = []  # alive, in order of saving
+        self._serials: list[int] = []
+        # storage address -> (weak storage, its stored bytes) while the storage is alive
+        self._live: dict[int, tuple[weakref.ref[torch.UntypedStorage], _Stored]] = {}
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"Store(tier={self.tier.name}, prefetch={self.prefetch})"
+
+    def takes(self, t: torch.Tensor) -> bool:
+        """Whether this store can hold ``t`` (a plain dense tensor the tier accepts)."""
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            return False
+        if t.layout is not torch.strided or t.is_meta or t.device.type == "meta":
+            return False
+        takes = getattr(self.tier, "takes", None)
+        return bool(takes(t.device)) if takes is not None else True
+
+    def pack(
+        self, t: torch.Tensor, *, check_version: bool = True, version: int | None = None
+    ) -> Saved:
+        """Store ``t``; with ``check_version``, unpacking raises if ``t`` was written in place
+        since (Step 2); without, the stored value is a snapshot, as for the graph engine.
+        ``version`` is the version ``t``'s value has, when autograd has yet to count a write
+        that already happened (an in-place op seen from inside the dispatcher)."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        version = t._version if version is None else version
+        with self._lock:
+            live = self._live.get(key)
+            if live is not None and live[0]() is storage and live[1].version == version:
+                stored = live[1]
+            else:
+                stored = self._put(storage, t.device, version)
+                stored.key = key
+                self._live[key] = (weakref.ref(storage, self._forget_storage(key)), stored)
+            stored.users += 1
+        return Saved(self, stored, t, check_version, version)
+
+    def _put(self, storage: torch.UntypedStorage, device: torch.device, version: int) -> _Stored:
+        # The store's own ops are not the model's: dispatch modes (a graph recording, the
+        # tracker, explain) must not see them.
+        with _disable_current_modes():
+            data = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            if device.type != "cpu" and not _takes(self.tier, device):
+                data = data.cpu()  # tiers that take host bytes only (disk): a synchronous copy
+        ticket = self.tier.put(data)
+        self._serial += 1
+        stored = _Stored(self._serial, ticket, storage.nbytes(), device, version)
+        self._order.append(stored)
+        self._serials.append(stored.serial)
+        self.stored_bytes += stored.nbytes
+        return stored
+
+    def _forget_storage(self, key: int) -> Any:
+        this = weakref.ref(self)
+
+        def forget(ref: weakref.ref[torch.UntypedStorage]) -> None:
+            # No lock: this runs wherever the storage dies, a tier's worker thread included,
+            # which may hold the tier's lock while ``pack`` holds ours and waits for it. At
+            # worst a racing ``pack`` loses a dedup entry and stores the bytes once more.
+            store = this()
+            if store is not None:
+                live = store._live.get(key)
+                if live is not None and live[0] is ref:
+                    store._live.pop(key, None)
+
+        return forget
+
+    def unpack(self, saved: Saved) -> torch.Tensor:
+        original = saved.original() if saved.original is not None else None
+        if original is not None and original._version != saved.version:
+            raise RematError(
+                "remat: a tensor saved for backward (and offloaded to the "
+                f"{self.tier.name} tier) was modified in place after it was saved: its version "
+                f"is {original._version}, it was saved at version {saved.version} (shape "
+                f"{tuple(saved.shape)}, {saved.dtype}). Clone it before modifying it, or make "
+                "the in-place op out of place."
+            )
+        stored = saved.stored
+        with self._lock:
+            storage = stored.back() if stored.back is not None else None
+            if storage is None:
+                data = self.tier.get(stored.ticket, stored.device)
+                storage = data.untyped_storage()
+                stored.back = weakref.ref(storage)
+            self._prefetch_before(stored)
+        out = torch.empty(0, dtype=saved.dtype, device=stored.device)
+        return out.set_(storage, saved.offset, saved.shape, saved.stride)
+
+    def _prefetch_before(self, stored: _Stored) -> None:
+        if not self.prefetch:
+            return
+        i = bisect.bisect_left(self._serials, stored.serial)
+        for earlier in reversed(self._order[max(0, i - self.prefetch) : i]):
+            if earlier.back is None or earlier.back() is None:
+                self.tier.prefetch(earlier.ticket, earlier.device)
+
+    def release(self, stored: _Stored) -> None:
+        """One ``Saved`` of ``stored`` is gone; the last one drops the bytes (Step 5)."""
+        with self._lock:
+            stored.users -= 1
+            if stored.users > 0:
+                return
+            i = bisect.bisect_left(self._serials, stored.serial)
+            if i < len(self._serials) and self._serials[i] == stored.serial:
+                del self._serials[i], self._order[i]
+            self.stored_bytes -= stored.nbytes
+            live = self._live.get(stored.key)
+            if live is not None and live[1] is stored:  # a later save must store anew
+                del self._live[stored.key]
+            self.tier.drop(stored.ticket)
+
+    def settle(self, saved: Saved) -> None:
+        """Before ``saved``'s source is written in place: let its copy out finish first."""
+        settle = getattr(self.tier, "settle", None)
+        if settle is not None:
+            settle(saved.stored.ticket)
+        else:
+            self.tier.flush()  # waits for every write, this one included
+
+    def flush(self) -> None:
+        """End of an offload scope (Step 3)."""
+        self.tier.flush()
+
+
+def _takes(tier: Tier, device: torch.device) -> bool:
+    takes = getattr(tier, "takes", None)
+    return bool(takes(device)) if takes is not None else device.type == "cpu"

@@ -1,0 +1,548 @@
+"""The disk tier: saved tensors wait in files, written and read back by background threads.
+
+Host memory is the last place a saved tensor can go before it must be recomputed. When even
+host RAM is short (CPU training of a model whose activations exceed RAM, or a GPU step whose
+offloaded activations exceed the host's), the disk tier moves those bytes to files in a
+private directory and brings them back before backward needs them.
+
+It is built to run at the directory's sequential bandwidth: each storage is one file, written
+with a few large unbuffered ``os.write`` calls straight from the tensor's memory and read back
+with ``readinto`` into a fresh tensor, no pickling and no intermediate copy, by a small pool of
+worker threads so that the step keeps computing meanwhile. :func:`sequential_bandwidth` measures
+what the same directory gives a plain large file with the same calls, for the benchmark.
+
+NOTE [ Life of an offloaded file ]
+
+One storage's bytes, from ``put`` in forward to ``drop`` when autograd lets go of them. The
+ticket (``_DiskTicket``) is the only record; the worker threads see it and the tier's shared
+state (``_Shared``), never the tier itself, so a forgotten tier is collected at once.
+
+1. **put**: the caller's flat ``uint8`` tensor is validated, the ticket takes a reference to it
+   and its bytes count as pending; if pending bytes would pass ``max_pending_bytes``, ``put``
+   first waits for earlier writes (a single larger put waits until nothing else is pending).
+   A write is queued; ``put`` returns the ticket at once.
+2. **written**: a worker creates ``<seq>.bin`` (``O_EXCL``, mode ``0o600``), writes it, closes
+   it, and lets go of the tensor: from here on the bytes live only in the file (and the page
+   cache, which the kernel may reclaim), which is what frees the RAM.
+3. **prefetch**: a fresh tensor is allocated in the caller's thread (pinned when the target
+   is a CUDA device; the caller's thread, so that its malloc arena gets the memory back when
+   the caller frees it) and a read into it is queued; the read waits for the write (queued
+   before it, so it never deadlocks the pool).
+4. **get**: takes the prefetched tensor if there is one (and forgets it: the caller owns it),
+   else reads now in the caller's thread. For a non-CPU device the bytes are read into CPU
+   memory and copied to the device. The file stays, so a second backward can ``get`` again.
+5. **drop**: forgets the ticket; the file is removed at once if no I/O on it is pending, else by
+   the worker that finishes the last one. A write that has not started yet is skipped, so a
+   drop before the write never leaves a file.
+6. **error**: a write that raises (``ENOSPC``, ``EDQUOT``, ``EFBIG``...) removes its partial
+   file and records a :class:`~remat.RematError` naming the directory, the bytes, the free
+   space and the fix. The next ``put``, ``flush`` or ``get`` raises it, exactly once (several
+   failures are reported together); a ``get`` of the failed ticket itself always raises.
+7. **close**: waits for running I/O, cancels queued I/O, removes every file and the directory.
+   ``with DiskTier() as tier:`` closes on an exception too; a tier that is never closed is
+   closed by its finalizer when it is collected, or at interpreter exit.
+8. **exit**: the worker threads are not daemons: ``concurrent.futures`` finishes their queued
+   work at interpreter shutdown, then the finalizers and the ``atexit`` hook of ``_files.py``
+   remove what is left.
+9. **killed**: SIGKILL runs nothing. The directory name carries the pid, and the next process
+   creating a directory under the same parent removes those of dead processes
+   (``_files.sweep_stale``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import errno
+import os
+import pathlib
+import shutil
+import threading
+import time
+import weakref
+from types import TracebackType
+
+import torch
+
+from ..errors import RematError
+from . import _files
+from ._files import sequential_bandwidth as sequential_bandwidth
+from ._tier import Ticket
+
+__all__ = ["DiskStats", "DiskTier", "sequential_bandwidth"]
+
+_FIX = (
+    "Fix: pass a directory on a larger disk with DiskTier(directory=...), or offload less "
+    "(raise min_bytes=)."
+)
+
+
+@dataclasses.dataclass
+class DiskStats:
+    """What the disk tier has done so far, for tests and the benchmark (``DiskTier.stats``).
+
+    ``write_seconds`` and ``read_seconds`` add up the time of every write and read, in workers
+    or in ``get``; with several threads they can exceed the wall time, so the tier's bandwidth
+    is ``bytes_written / write_wall_seconds``, the wall time during which at least one write
+    ran (likewise for reads).
+    """
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+    files_written: int = 0
+    files_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    write_wall_seconds: float = 0.0
+    read_wall_seconds: float = 0.0
+    pending_bytes: int = 0  # put, not yet written (nor failed, nor skipped)
+    peak_pending_bytes: int = 0
+    puts_waited: int = 0  # puts that blocked because of max_pending_bytes
+    failed_writes: int = 0
+
+
+class _DiskTicket:
+    """One stored storage: its file, and the I/O still pending on it."""
+
+    __slots__ = ("data", "dropped", "error", "io", "load", "nbytes", "path", "writing")
+
+    def __init__(self, data: torch.Tensor, path: pathlib.Path) -> None:
+        self.data: torch.Tensor | None = data  # until written: see [2. written]
+        self.nbytes = data.numel()
+        self.path = path
+        self.writing = True
+        self.io = 1  # pending write and reads; the last one out removes a dropped file
+        self.dropped = False
+        self.error: RematError | None = None
+        self.load: concurrent.futures.Future[torch.Tensor | None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<disk ticket {self.path.name}: {self.nbytes} bytes>"
+
+
+class _Shared:
+    """The tier's state, shared with its worker threads; never refers to the tier."""
+
+    def __init__(self, directory: pathlib.Path, threads: int, max_pending_bytes: int) -> None:
+        self.directory = directory
+        self.max_pending_bytes = max_pending_bytes
+        self.pid = os.getpid()
+        self.cond = threading.Condition(threading.Lock())
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="remat-disk"
+        )
+        self.tickets: set[_DiskTicket] = set()
+        self.errors: list[tuple[RematError, int]] = []  # (error, bytes that failed)
+        self.closed = False
+        self.seq = 0
+        self.writes_in_flight = 0
+        self.active = {"write": 0, "read": 0}
+        self.since = {"write": 0.0, "read": 0.0}
+        self.stats = DiskStats()
+
+    # All methods ending in _locked run with self.cond held.
+
+    def check_open_locked(self) -> None:
+        if os.getpid() != self.pid:
+            raise RematError(
+                f"remat: expected the disk tier to be used by the process that made it (pid "
+                f"{self.pid}), found it used by pid {os.getpid()}, a forked child. Make a new "
+                f"DiskTier in the child."
+            )
+        if self.closed:
+            raise RematError(
+                f"remat: expected an open disk tier, found one already closed (its directory "
+                f"{self.directory} is gone). Make a new DiskTier."
+            )
+
+    def check_ticket_locked(self, ticket: Ticket) -> _DiskTicket:
+        self.check_open_locked()
+        if not isinstance(ticket, _DiskTicket) or ticket not in self.tickets:
+            raise RematError(
+                f"remat: expected a ticket this disk tier returned from put() and not yet "
+                f"dropped, found {ticket!r}. Keep each ticket with the tier that made it and "
+                f"do not use it after drop()."
+            )
+        return ticket
+
+    def raise_errors_locked(self) -> None:
+        if not self.errors:
+            return
+        (first, _), rest = self.errors[0], self.errors[1:]
+        self.errors.clear()
+        if not rest:
+            raise first
+        more = sum(nbytes for _, nbytes in rest)
+        also = f"{len(rest)} more write(s), {more} bytes in all, failed too. {_FIX}"
+        raise RematError(str(first).replace(_FIX, also)) from first.__cause__
+
+    def begin_locked(self, kind: str) -> float:
+        now = time.perf_counter()
+        if self.active[kind] == 0:
+            self.since[kind] = now
+        self.active[kind] += 1
+        return now
+
+    def end_locked(self, kind: str, start: float, nbytes: int | None) -> None:
+        now = time.perf_counter()
+        self.active[kind] -= 1
+        wall = now - self.since[kind] if self.active[kind] == 0 else 0.0
+        stats = self.stats
+        if kind == "write":
+            stats.write_seconds += now - start
+            stats.write_wall_seconds += wall
+            if nbytes is not None:
+                stats.bytes_written += nbytes
+                stats.files_written += 1
+        else:
+            stats.read_seconds += now - start
+            stats.read_wall_seconds += wall
+            if nbytes is not None:
+                stats.bytes_read += nbytes
+                stats.files_read += 1
+
+    def finish_io_locked(self, ticket: _DiskTicket) -> bool:
+        """One I/O on *ticket* is over; whether the caller must now remove its file."""
+        ticket.io -= 1
+        return ticket.dropped and ticket.io == 0
+
+    def close(self) -> None:
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            for ticket in self.tickets:
+                ticket.data = None  # a queued write sees it and skips
+                ticket.load = None
+            self.tickets.clear()
+            self.errors.clear()
+            self.cond.notify_all()
+        if os.getpid() != self.pid:  # a forked child: the files are the parent's
+            return
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        _files.remove_private_directory(self.directory)
+
+
+class DiskTier:
+    """Saved tensors in files of a private directory, written and read by background threads.
+
+    Args:
+        directory: where the tier makes its private directory
+            (``<directory>/remat-offload-<uid>/<pid>-<token>``, mode ``0o700``); by default the
+            system's temporary directory. Pick a fast local disk with room for the offloaded
+            activations of one step.
+        threads: worker threads writing and reading files.
+        max_pending_bytes: ``put`` blocks while more bytes than this wait to be written, which
+            bounds the RAM the tier holds on to (one larger put is accepted alone).
+
+    See NOTE [ Life of an offloaded file ] for what happens to each ticket. ``put``, ``get``
+    and ``drop`` may be called from any thread (the autograd engine's included).
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        threads: int = 2,
+        max_pending_bytes: int = 256 * 2**20,
+    ) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise RematError(
+                f"remat: expected threads to be an int >= 1, found {threads!r}. Pass e.g. "
+                f"DiskTier(threads=2)."
+            )
+        if (
+            isinstance(max_pending_bytes, bool)
+            or not isinstance(max_pending_bytes, int)
+            or max_pending_bytes < 1
+        ):
+            raise RematError(
+                f"remat: expected max_pending_bytes to be an int >= 1, found "
+                f"{max_pending_bytes!r}. Pass e.g. DiskTier(max_pending_bytes=256 * 2**20)."
+            )
+        path = _files.private_directory(directory)
+        self._shared = _Shared(path, threads, max_pending_bytes)
+        self._finalizer = weakref.finalize(self, self._shared.close)
+
+    @property
+    def directory(self) -> pathlib.Path:
+        """The tier's private directory, removed by :meth:`close`."""
+        return self._shared.directory
+
+    @property
+    def max_pending_bytes(self) -> int:
+        return self._shared.max_pending_bytes
+
+    @property
+    def stats(self) -> DiskStats:
+        """A snapshot of the tier's counters."""
+        with self._shared.cond:
+            return dataclasses.replace(self._shared.stats)
+
+    def put(self, data: torch.Tensor) -> _DiskTicket:
+        """Queue a write of *data*, a flat contiguous ``uint8`` CPU tensor; return its ticket.
+
+        Raises the failure of an earlier write, if one is not reported yet.
+        """
+        _check_data(data)
+        shared = self._shared
+        nbytes = data.numel()
+        inline = False
+        with shared.cond:
+            waited = False
+            while True:
+                shared.check_open_locked()
+                shared.raise_errors_locked()
+                pending = shared.stats.pending_bytes
+                if pending == 0 or pending + nbytes <= shared.max_pending_bytes:
+                    break
+                waited = True
+                shared.cond.wait()
+            stats = shared.stats
+            stats.puts_waited += int(waited)
+            stats.pending_bytes += nbytes
+            stats.peak_pending_bytes = max(stats.peak_pending_bytes, stats.pending_bytes)
+            shared.writes_in_flight += 1
+            ticket = _DiskTicket(data, shared.directory / f"{shared.seq:08x}.bin")
+            shared.seq += 1
+            shared.tickets.add(ticket)
+            try:
+                shared.executor.submit(_write, shared, ticket)
+            except RuntimeError:  # the interpreter is shutting down: no new threads
+                inline = True
+        if inline:
+            _write(shared, ticket)
+        return ticket
+
+    def prefetch(self, ticket: Ticket, device: torch.device) -> None:
+        """Start reading *ticket* back in the background; harmless if already started."""
+        shared = self._shared
+        with shared.cond:
+            ticket = shared.check_ticket_locked(ticket)
+            if ticket.load is not None or ticket.error is not None:
+                return
+        # Allocated in the caller's thread, whose malloc arena gets the memory back when the
+        # caller frees the tensor, and outside the lock (pinning may take a while).
+        buffer = _empty(ticket.nbytes, torch.device(device))
+        with shared.cond:
+            if shared.closed or ticket.dropped or ticket.load is not None:
+                return  # closed, dropped or prefetched by another thread meanwhile
+            try:
+                ticket.load = shared.executor.submit(_load, shared, ticket, buffer)
+            except RuntimeError:  # interpreter shutdown: get() will read in its own thread
+                return
+            ticket.io += 1
+
+    def get(self, ticket: Ticket, device: torch.device) -> torch.Tensor:
+        """The stored bytes as a flat ``uint8`` tensor on *device*, owned by the caller.
+
+        Uses the prefetched tensor if there is one, else reads now. For a non-CPU device the
+        file is read into (pinned) CPU memory, then copied to the device.
+        """
+        device = torch.device(device)
+        shared = self._shared
+        with shared.cond:
+            ticket = shared.check_ticket_locked(ticket)
+            if ticket.error is not None:
+                raise self._ticket_error_locked(ticket)
+            shared.raise_errors_locked()
+            load, ticket.load = ticket.load, None
+        out = None if load is None else _result(load, ticket)
+        if out is None:
+            out = self._read_now(ticket, device)
+        return out if out.device == device else out.to(device)
+
+    def drop(self, ticket: Ticket) -> None:
+        """Forget *ticket*; its file goes as soon as no I/O on it is pending. Never blocks."""
+        shared = self._shared
+        with shared.cond:
+            if not isinstance(ticket, _DiskTicket) or ticket not in shared.tickets:
+                return
+            shared.tickets.discard(ticket)
+            ticket.dropped = True
+            ticket.load = None
+            remove = ticket.io == 0
+        if remove:
+            _files.unlink_quietly(ticket.path)
+
+    def flush(self) -> None:
+        """Wait for every write so far; raise the first failure not yet reported."""
+        shared = self._shared
+        with shared.cond:
+            shared.cond.wait_for(lambda: shared.writes_in_flight == 0 or shared.closed)
+            shared.raise_errors_locked()
+
+    def close(self) -> None:
+        """Wait for running I/O, drop every ticket, remove the files and the directory."""
+        self._finalizer()
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._shared.closed else f"{len(self._shared.tickets)} tickets"
+        return f"DiskTier({str(self.directory)!r}, {state})"
+
+    def _read_now(self, ticket: _DiskTicket, device: torch.device) -> torch.Tensor:
+        shared = self._shared
+        with shared.cond:
+            shared.cond.wait_for(lambda: not ticket.writing or shared.closed)
+            shared.check_ticket_locked(ticket)
+            if ticket.error is not None:
+                raise self._ticket_error_locked(ticket)
+            ticket.io += 1
+            start = shared.begin_locked("read")
+        out: torch.Tensor | None = None
+        try:
+            out = _files.read_file(ticket.path, _empty(ticket.nbytes, device))
+        except OSError as exc:
+            raise _read_error(ticket, exc) from exc
+        finally:
+            with shared.cond:
+                shared.end_locked("read", start, None if out is None else ticket.nbytes)
+                remove = shared.finish_io_locked(ticket)
+            if remove:
+                _files.unlink_quietly(ticket.path)
+        return out
+
+    def _ticket_error_locked(self, ticket: _DiskTicket) -> RematError:
+        """The error for a get of a ticket whose write failed; reports it if not yet done."""
+        shared = self._shared
+        assert ticket.error is not None
+        if any(error is ticket.error for error, _ in shared.errors):
+            shared.errors[:] = [(e, n) for e, n in shared.errors if e is not ticket.error]
+            return ticket.error
+        return RematError(
+            f"remat: expected the bytes of {ticket!r} on disk, found none: its write failed "
+            f"earlier, as reported then ({ticket.error}). Backward cannot proceed; run the "
+            f"step again after freeing space."
+        )
+
+
+def _check_data(data: object) -> None:
+    if (
+        not isinstance(data, torch.Tensor)
+        or data.dtype != torch.uint8
+        or data.dim() != 1
+        or data.device.type != "cpu"
+        or not data.is_contiguous()
+    ):
+        found = (
+            f"dtype={data.dtype}, shape={tuple(data.shape)}, device={data.device}, "
+            f"contiguous={data.is_contiguous()}"
+            if isinstance(data, torch.Tensor)
+            else type(data).__name__
+        )
+        raise RematError(
+            f"remat: the disk tier expected a flat contiguous uint8 CPU tensor, found "
+            f"{found}. Pass the bytes of a storage, e.g. t.untyped_storage() wrapped with "
+            f"torch.empty(0, dtype=torch.uint8).set_(storage), copied to the CPU first."
+        )
+
+
+def _empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Host memory to read into: pinned when it goes on to a CUDA device, for a fast copy."""
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def _result(
+    load: concurrent.futures.Future[torch.Tensor | None], ticket: _DiskTicket
+) -> torch.Tensor | None:
+    try:
+        return load.result()
+    except OSError as exc:
+        raise _read_error(ticket, exc) from exc
+
+
+def _write(shared: _Shared, ticket: _DiskTicket) -> None:
+    """Worker: write one ticket's file; see [2. written] and [6. error]."""
+    with shared.cond:
+        data, nbytes = ticket.data, ticket.nbytes
+        skip = data is None or ticket.dropped
+        start = 0.0 if skip else shared.begin_locked("write")
+    error: RematError | None = None
+    try:
+        if data is not None and not skip:
+            try:
+                _files.write_file(ticket.path, data)
+            except Exception as exc:
+                _files.unlink_quietly(ticket.path)
+                error = _write_error(shared.directory, nbytes, exc)
+    finally:
+        del data
+        with shared.cond:
+            ticket.data = None
+            ticket.writing = False
+            shared.writes_in_flight -= 1
+            shared.stats.pending_bytes -= nbytes
+            if not skip:
+                shared.end_locked("write", start, None if error else nbytes)
+            if error is not None:
+                ticket.error = error
+                shared.stats.failed_writes += 1
+                if not shared.closed:
+                    shared.errors.append((error, nbytes))
+            remove = shared.finish_io_locked(ticket)
+            shared.cond.notify_all()
+        if remove:
+            _files.unlink_quietly(ticket.path)
+
+
+def _load(shared: _Shared, ticket: _DiskTicket, buffer: torch.Tensor) -> torch.Tensor | None:
+    """Worker: read one ticket into *buffer* for a prefetch; ``None`` if nothing to read."""
+    out: torch.Tensor | None = None
+    try:
+        with shared.cond:
+            # The write was queued before us, so it runs or ran: see [3. prefetch].
+            shared.cond.wait_for(lambda: not ticket.writing or shared.closed)
+            if ticket.dropped or ticket.error is not None or shared.closed:
+                return None
+            start = shared.begin_locked("read")
+        try:
+            out = _files.read_file(ticket.path, buffer)
+        finally:
+            with shared.cond:
+                shared.end_locked("read", start, None if out is None else ticket.nbytes)
+        return out
+    finally:
+        with shared.cond:
+            remove = shared.finish_io_locked(ticket)
+        if remove:
+            _files.unlink_quietly(ticket.path)
+
+
+def _write_error(directory: pathlib.Path, nbytes: int, exc: Exception) -> RematError:
+    try:
+        free = f"{shutil.disk_usage(directory).free} bytes are free there"
+    except OSError:
+        free = "its free space is unknown"
+    reason = (
+        f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}"
+        if isinstance(exc, OSError) and exc.errno is not None
+        else repr(exc)
+    )
+    error = RematError(
+        f"remat: the disk tier expected to write {nbytes} bytes ({nbytes / 2**20:.1f} MiB) to "
+        f"{directory}, but the write failed ({reason}); {free}. {_FIX}"
+    )
+    error.__cause__ = exc
+    return error
+
+
+def _read_error(ticket: _DiskTicket, exc: OSError) -> RematError:
+    return RematError(
+        f"remat: expected to read {ticket.nbytes} bytes back from {ticket.path}, but the read "
+        f"failed ({exc}). Something removed or truncated the tier's files while it ran; keep "
+        f"other processes out of its directory."
+    )

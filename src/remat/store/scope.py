@@ -1,0 +1,192 @@
+"""Which tier object a tier name means, and ``remat.offload`` for whole blocks.
+
+Decisions name a tier (``OFFLOAD_HOST``, ``OFFLOAD_DISK``); the objects behind the names are
+process-wide defaults made on first use (a :class:`HostTier`, and a :class:`DiskTier` in the
+system's temporary directory), unless :func:`tiers` sets others for a block of code on this
+thread. Each tier object has one :class:`Store`, so that prefetching in backward follows the
+order of saving across every region and block that used the tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+
+from .. import _state
+from ..errors import RematError, did_you_mean
+from ._store import Saved, Store
+from ._tier import Tier
+
+__all__ = ["offload", "tiers"]
+
+TierName = Literal["host", "disk"]
+_NAMES: tuple[TierName, ...] = ("host", "disk")
+
+
+class _Chosen(threading.local):
+    def __init__(self) -> None:
+        self.tiers: dict[str, Tier] = {}
+
+
+_chosen = _Chosen()
+_defaults: dict[str, Tier] = {}
+_stores: dict[int, Store] = {}
+_lock = threading.Lock()
+
+
+def _default(name: str) -> Tier:
+    with _lock:
+        tier = _defaults.get(name)
+        if tier is None:
+            from .disk import DiskTier
+            from .host import HostTier
+
+            tier = _defaults[name] = HostTier() if name == "host" else DiskTier()
+        return tier
+
+
+def tier_named(name: str) -> Tier:
+    """The tier object ``name`` stands for on this thread now."""
+    if name not in _NAMES:
+        raise RematError(
+            f"remat: unknown tier {name!r}; expected one of {', '.join(_NAMES)}"
+            f"{did_you_mean(name, _NAMES)}."
+        )
+    return _chosen.tiers.get(name) or _default(name)
+
+
+def store_for(tier: Tier | str) -> Store:
+    """The one store of ``tier`` (a tier object or name)."""
+    if isinstance(tier, str):
+        tier = tier_named(tier)
+    with _lock:
+        store = _stores.get(id(tier))
+        if store is None or store.tier is not tier:
+            store = _stores[id(tier)] = Store(tier)
+        return store
+
+
+@contextlib.contextmanager
+def tiers(*, host: Tier | None = None, disk: Tier | None = None) -> Iterator[None]:
+    """Use these tier objects for the names ``"host"`` and ``"disk"`` in this block.
+
+    ::
+
+        with remat.store.tiers(disk=remat.store.DiskTier("/nvme/scratch")):
+            loss = model(x)  # OFFLOAD_DISK decisions and remat.offload("disk") write there
+        loss.backward()
+    """
+    for name, tier in (("host", host), ("disk", disk)):
+        if tier is not None and not all(
+            callable(getattr(tier, m, None)) for m in ("put", "get", "drop", "flush")
+        ):
+            raise RematError(
+                f"remat.store.tiers: {name}= must be a tier (HostTier, DiskTier or an object "
+                f"with put/prefetch/get/drop/flush/close), got {type(tier).__name__}."
+            )
+    previous = dict(_chosen.tiers)
+    _chosen.tiers.update({k: v for k, v in (("host", host), ("disk", disk)) if v is not None})
+    try:
+        yield
+    finally:
+        _chosen.tiers = previous
+
+
+class Scope:
+    """An active ``remat.offload`` block: its store and the smallest tensor it moves."""
+
+    __slots__ = ("min_bytes", "store")
+
+    def __init__(self, store: Store, min_bytes: int) -> None:
+        self.store = store
+        self.min_bytes = min_bytes
+
+    def wants(self, t: torch.Tensor) -> bool:
+        if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+            return False  # model state and inputs live on anyway: moving them frees nothing
+        return self.store.takes(t) and t.numel() * t.element_size() >= self.min_bytes
+
+
+@contextlib.contextmanager
+def offload(
+    tier: TierName | Tier = "host", *, min_bytes: int = 1024, prefetch: int | None = None
+) -> Iterator[None]:
+    """Offload what the block saves for backward to ``tier``, until backward needs it.
+
+    Every tensor autograd saves inside the block, of at least ``min_bytes``, goes to the tier
+    (``"host"``: pinned host memory, for accelerator tensors; ``"disk"``: files in a private
+    directory, for any tensor) and is brought back in backward, ``prefetch`` tensors ahead.
+    Parameters and leaves that require grad are left alone (they stay alive anyway); so are
+    CPU tensors under the host tier, which are in host memory already. Inside checkpointed
+    regions the region decides (a region engine saves only its inputs; a graph engine
+    offloads here what its policy keeps). The block's writes are flushed when it exits, so a
+    full disk raises there, before backward.
+
+    ::
+
+        with remat.offload("disk", min_bytes=2**20):
+            loss = model(x)
+        loss.backward()
+    """
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise RematError(f"remat.offload: min_bytes must be an int >= 0, got {min_bytes!r}.")
+    if isinstance(tier, str):
+        store = store_for(tier_named(tier))
+    elif all(callable(getattr(tier, m, None)) for m in ("put", "get", "drop", "flush")):
+        store = store_for(tier)
+    else:
+        raise RematError(
+            f"remat.offload: tier must be 'host', 'disk' or a tier object, got {tier!r}."
+        )
+    if prefetch is not None:
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise RematError(f"remat.offload: prefetch must be an int >= 0, got {prefetch!r}.")
+        store.prefetch = prefetch
+    scope = Scope(store, min_bytes)
+    previous = _state.state.offload
+    _state.state.offload = scope
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_packer(scope), _unpack):
+            yield
+    finally:
+        _state.state.offload = previous
+    store.flush()
+
+
+def _packer(scope: Scope) -> Any:
+    def pack(t: torch.Tensor) -> Any:
+        observer = _state.state.observer
+        if not scope.wants(t):
+            if observer is not None:
+                observer.saved(t, "keep", f"not offloaded: {_why_not(scope, t)}")
+            return t
+        if observer is not None:
+            observer.saved(t, "offload", f"{scope.store.tier.name} tier")
+        return scope.store.pack(t)
+
+    return pack
+
+
+def _why_not(scope: Scope, t: torch.Tensor) -> str:
+    if not scope.store.takes(t):
+        if t.device.type == "cpu" and scope.store.tier.name == "host":
+            return "already in host memory"
+        return f"the {scope.store.tier.name} tier does not take this tensor"
+    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+        return "a leaf that requires grad, alive anyway"
+    return f"smaller than min_bytes={scope.min_bytes}"
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed.tensor if isinstance(packed, Saved) else packed
+
+
+def offload_hooks(tier: TierName | Tier) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that offload every tensor ``tier`` takes, whatever its size (for a
+    region's inputs with ``offload_to_cpu``)."""
+    store = store_for(tier)
+    return torch.autograd.graph.saved_tensors_hooks(_packer(Scope(store, 0)), _unpack)

@@ -1,0 +1,307 @@
+"""remat.pipe.Pipe in one process: transparency, schedule, checkpoint flags, bad input.
+
+Reference for bit-exact comparisons (unless a test says otherwise): the plain
+``nn.Sequential`` (a deep copy of the same initial model) applied to the same micro-batches,
+``torch.tensor_split(x, chunks)``, in order 0..m-1, outputs concatenated, the same loss, one
+backward. Each BatchNorm then normalises each micro-batch with its own statistics and updates
+its running statistics once per micro-batch in that order, as in the pipeline; autograd
+accumulates each parameter's gradients in the order m-1..0 in both runs (NOTE [ Pipeline
+clock cycles ]). The U-Net is the ``unet`` workload's model at its small shape with dropout
+off, except in the dropout test, whose reference also runs in clock order.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat.pipe import DeferredBatchNorm, Pipe
+from remat.pipe._unet import sequential_unet
+from remat.pipe.pipeline import clock_cycles
+from remat.pipe.skip.tracker import SkipTracker, use_skip_tracker
+from remat.workloads import UNet, UNetConfig, get_workload
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+BALANCES = {1: [6], 2: [3, 3], 4: [2, 1, 1, 2]}
+
+
+def small_unet(dropout: float = 0.0, seed: int = 0) -> nn.Sequential:
+    """The unet workload's small model (depth 2, 8 base channels), as skippable levels."""
+    config = UNetConfig(
+        in_channels=3, base_channels=8, depth=2, image_size=16, num_classes=4, dropout=dropout
+    )
+    torch.manual_seed(seed)
+    return sequential_unet(UNet(config))
+
+
+def batch(rows: int = 8, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 3, 16, 16, generator=g), torch.randint(
+        0, 4, (rows, 16, 16), generator=g
+    )
+
+
+def plain_by_microbatch(model: nn.Sequential, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    return torch.cat([model(c) for c in torch.tensor_split(x, chunks)])
+
+
+def assert_same_step(ref: nn.Module, pipe: Pipe, x: torch.Tensor, target: torch.Tensor) -> None:
+    xr = x.clone().requires_grad_()
+    xp = x.clone().requires_grad_()
+    out_ref = plain_by_microbatch(ref, xr, pipe.chunks)  # type: ignore[arg-type]
+    out_pipe = pipe(xp)
+    F.cross_entropy(out_ref, target).backward()
+    F.cross_entropy(out_pipe, target).backward()
+    assert torch.equal(out_ref, out_pipe)
+    assert torch.equal(xr.grad, xp.grad)  # type: ignore[arg-type]
+    ref_params = dict(ref.named_parameters())
+    pipe_params = list(pipe.parameters())
+    assert len(ref_params) == len(pipe_params)
+    for (name, p), q in zip(ref_params.items(), pipe_params, strict=True):
+        assert torch.equal(p.grad, q.grad.to(p.device)), name  # type: ignore[arg-type, union-attr]
+    for (name, a), b in zip(ref.named_buffers(), pipe.buffers(), strict=True):
+        assert torch.equal(a, b.to(a.device)), name
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("partitions", [1, 2, 4])
+@pytest.mark.parametrize("chunks", [1, 4, 8])
+def test_unet_equals_plain_sequential_on_same_microbatches_bit_for_bit(
+    checkpoint: str, partitions: int, chunks: int
+) -> None:
+    """Outputs, input grad, every parameter grad and BN buffers, torch.equal, against the plain
+    nn.Sequential run micro-batch by micro-batch (module docstring). Skips cross partitions:
+    with 4 partitions [2, 1, 1, 2] both levels' skips travel from partition 0 to 2 and 3."""
+    model = small_unet()
+    ref = copy.deepcopy(model)
+    pipe = Pipe(
+        model,
+        balance=BALANCES[partitions],
+        devices=["cpu"] * partitions,
+        chunks=chunks,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+    )
+    assert_same_step(ref, pipe, *batch())
+
+
+def test_skippable_unet_equals_workload_unet() -> None:
+    """The skippable nn.Sequential computes exactly UNet.forward (same modules)."""
+    unet = get_workload("unet", "small").model(seed=0)
+    seq = sequential_unet(unet)  # type: ignore[arg-type]
+    x, _ = batch(4)
+    torch.manual_seed(5)
+    expected = unet(x)
+    torch.manual_seed(5)
+    assert torch.equal(seq(x), expected)
+
+
+@pytest.mark.parametrize("devices", [("cpu", "cpu"), ("cpu", "cuda")])
+def test_partitions_on_two_devices_equal_plain_run_on_same_devices(
+    devices: tuple[str, str],
+) -> None:
+    """Reference: the plain layers placed on the same devices, run micro-batch by micro-batch
+    with the same device copies; skips cross from devices[0] to devices[1] through portals."""
+    if "cuda" in devices and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = small_unet()
+    ref = copy.deepcopy(model)
+    ref_parts = [ref[:3].to(devices[0]), ref[3:].to(devices[1])]
+    pipe = Pipe(model, balance=[3, 3], devices=list(devices), chunks=4, checkpoint="except_last")
+    x, target = batch()
+    xr = x.clone().requires_grad_()
+    xp = x.clone().requires_grad_()
+    outs = []
+    tracker = SkipTracker()
+    with use_skip_tracker(tracker):
+        for c in torch.tensor_split(xr, 4):
+            h = ref_parts[0](c.to(devices[0]))
+            for key, t in list(tracker.tensors.items()):
+                tracker.tensors[key] = t.to(devices[1]) if t is not None else None
+            outs.append(ref_parts[1](h.to(devices[1])))
+    out_ref = torch.cat(outs)
+    out_pipe = pipe(xp)
+    assert out_pipe.device == torch.device(devices[1]) or devices[1] == "cuda"
+    F.cross_entropy(out_ref, target.to(out_ref.device)).backward()
+    F.cross_entropy(out_pipe, target.to(out_pipe.device)).backward()
+    assert torch.equal(out_ref, out_pipe)
+    assert torch.equal(xr.grad, xp.grad)  # type: ignore[arg-type]
+    for p, q in zip(ref.parameters(), pipe.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+
+
+def test_dropout_equals_plain_layers_run_in_clock_order() -> None:
+    """With the workload's dropout (0.1) the random draws follow the clock cycles, so the
+    reference is the plain layers (no Pipe, no portals, no checkpointing) run on the same
+    micro-batches in the same (micro-batch, partition) order, each micro-batch with its own
+    dict of skips. The pipeline checkpoints every micro-batch: recomputes replay the masks."""
+    model = small_unet(dropout=0.1)
+    ref = copy.deepcopy(model)
+    balance, chunks = [3, 3], 4
+    pipe = Pipe(model, balance=balance, devices=["cpu", "cpu"], chunks=chunks, checkpoint="always")
+    x, target = batch()
+    parts = [ref[:3], ref[3:]]
+    xr = x.clone().requires_grad_()
+    xp = x.clone().requires_grad_()
+    acts = list(torch.tensor_split(xr, chunks))
+    trackers = [SkipTracker() for _ in range(chunks)]
+    torch.manual_seed(7)
+    for schedule in clock_cycles(chunks, len(balance)):
+        for i, j in schedule:
+            with use_skip_tracker(trackers[i]):
+                acts[i] = parts[j](acts[i])
+    out_ref = torch.cat(acts)
+    torch.manual_seed(7)
+    out_pipe = pipe(xp)
+    F.cross_entropy(out_ref, target).backward()
+    F.cross_entropy(out_pipe, target).backward()
+    assert torch.equal(out_ref, out_pipe)
+    assert torch.equal(xr.grad, xp.grad)  # type: ignore[arg-type]
+    for p, q in zip(ref.parameters(), pipe.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+
+
+def test_clock_cycles_golden() -> None:
+    assert list(clock_cycles(3, 2)) == [
+        [(0, 0)],
+        [(1, 0), (0, 1)],
+        [(2, 0), (1, 1)],
+        [(2, 1)],
+    ]
+    assert list(clock_cycles(1, 3)) == [[(0, 0)], [(0, 1)], [(0, 2)]]
+
+
+class Record(nn.Module):
+    """Logs (event, micro-batch, partition, checkpointing, recomputing); saves its input."""
+
+    def __init__(self, partition: int, log: list[tuple[str, int, int, bool, bool]]) -> None:
+        super().__init__()
+        self.partition = partition
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        i = int(x[0, 0].item() // 1000)
+        event = "recompute" if remat.is_recomputing() else "forward"
+        self.log.append(
+            (event, i, self.partition, remat.is_checkpointing(), remat.is_recomputing())
+        )
+        y = x.sin() * 0 + x  # sin saves x, so a checkpointed partition is recomputed
+        if torch.is_grad_enabled() and y.requires_grad and not remat.is_recomputing():
+            partition = self.partition
+
+            def hook(grad: torch.Tensor) -> None:
+                self.log.append(("backward", i, partition, False, False))
+
+            y.register_hook(hook)
+        return y
+
+
+def test_timeline_and_checkpoint_flags_except_last() -> None:
+    """Forward in clock order; backward visits micro-batches m-1..0 in every partition; the
+    first m-1 micro-batches run checkpointed and are recomputed, the last is not."""
+    log: list[tuple[str, int, int, bool, bool]] = []
+    model = nn.Sequential(Record(0, log), Record(1, log))
+    pipe = Pipe(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=3)
+    x = (torch.arange(3.0) * 1000).repeat_interleave(2).reshape(6, 1).requires_grad_()
+    pipe(x).sum().backward()
+    forward = [(i, j, c, r) for e, i, j, c, r in log if e == "forward"]
+    assert forward == [
+        (0, 0, True, False),
+        (1, 0, True, False),
+        (0, 1, True, False),
+        (2, 0, False, False),
+        (1, 1, True, False),
+        (2, 1, False, False),
+    ]
+    recomputed = sorted((i, j) for e, i, j, c, r in log if e == "recompute")
+    assert recomputed == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(not c and r for e, i, j, c, r in log if e == "recompute")
+    for j in (0, 1):
+        order = [i for e, i, jj, _, _ in log if e == "backward" and jj == j]
+        assert order == [2, 1, 0]
+
+
+def test_eval_and_no_grad_do_not_checkpoint() -> None:
+    log: list[tuple[str, int, int, bool, bool]] = []
+    pipe = Pipe(nn.Sequential(Record(0, log)), balance=[1], devices=["cpu"], chunks=2)
+    x = torch.zeros(2, 1)
+    with torch.no_grad():
+        pipe(x)
+    pipe.eval()
+    pipe(x.requires_grad_()).sum().backward()
+    assert log and all(not c and not r for _, _, _, c, r in log)
+
+
+def test_tuple_input_and_output() -> None:
+    class Both(nn.Module):
+        def forward(self, xy: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            x, y = xy
+            return x * 2, y + x
+
+    ref = nn.Sequential(Both(), Both())
+    pipe = Pipe(copy.deepcopy(ref), balance=[1, 1], devices=["cpu", "cpu"], chunks=2)
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    out = pipe((x, y))
+    expected = [ref((a, b)) for a, b in zip(x.tensor_split(2), y.tensor_split(2), strict=True)]
+    assert isinstance(out, tuple)
+    assert torch.equal(out[0], torch.cat([e[0] for e in expected]))
+    assert torch.equal(out[1], torch.cat([e[1] for e in expected]))
+
+
+def test_deferred_batch_norm_updates_running_stats_once_per_minibatch() -> None:
+    """Outputs and grads: bit-equal to the plain model (nn.BatchNorm2d) run micro-batch by
+    micro-batch, since both normalise each micro-batch with its own statistics. Running
+    statistics: one update from the whole mini-batch, compared with one full-batch
+    nn.BatchNorm2d update within float rounding (sums in another order): rtol 1e-5,
+    atol 1e-6. num_batches_tracked is 1 although every micro-batch was recomputed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    ref = copy.deepcopy(model)
+    full = copy.deepcopy(model)
+    pipe = Pipe(
+        model,
+        balance=[2, 2],
+        devices=["cpu", "cpu"],
+        chunks=4,
+        checkpoint="always",
+        deferred_batch_norm=True,
+    )
+    assert isinstance(pipe[1], DeferredBatchNorm)
+    x = torch.randn(8, 3, 6, 6)
+    out_pipe = pipe(x)
+    out_ref = plain_by_microbatch(ref, x, 4)
+    out_pipe.square().sum().backward()
+    out_ref.square().sum().backward()
+    assert torch.equal(out_pipe, out_ref)
+    for p, q in zip(ref.parameters(), pipe.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+    full(x)
+    bn, deferred = full[1], pipe[1]
+    assert int(deferred.num_batches_tracked) == 1  # type: ignore[arg-type]
+    torch.testing.assert_close(deferred.running_mean, bn.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(deferred.running_var, bn.running_var, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_balance_devices_chunks_and_mode_name_the_values() -> None:
+    model = small_unet()
+    with pytest.raises(remat.RematError, match=r"balance \[2, 2\] sums to 4.*6 layers.*\[3, 3\]"):
+        Pipe(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=1)
+    with pytest.raises(remat.RematError, match=r"3 partitions but only 2 devices"):
+        Pipe(model, balance=[2, 2, 2], devices=["cpu", "cpu"], chunks=1)
+    with pytest.raises(remat.RematError, match=r"at least one layer"):
+        Pipe(model, balance=[6, 0], devices=["cpu", "cpu"], chunks=1)
+    with pytest.raises(remat.RematError, match=r"checkpoint='alway' .*did you mean 'always'"):
+        Pipe(model, balance=[6], devices=["cpu"], chunks=1, checkpoint="alway")  # type: ignore[arg-type]
+    with pytest.raises(remat.RematError, match=r"chunks must be a positive int.*0"):
+        Pipe(model, balance=[6], devices=["cpu"], chunks=0)
+    with pytest.raises(remat.RematError, match=r"takes an nn.Sequential, got Linear"):
+        Pipe(nn.Linear(2, 2), balance=[1], devices=["cpu"], chunks=1)  # type: ignore[arg-type]
+    pipe = Pipe(model, balance=[6], devices=["cpu"], chunks=8)
+    with pytest.raises(remat.RematError, match=r"chunks=8 but the batch has 5 rows.*chunks <= 5"):
+        pipe(torch.randn(5, 3, 16, 16))
+    with pytest.raises(remat.RematError, match=r"places them itself"):
+        pipe.to("cpu")

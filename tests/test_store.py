@@ -1,0 +1,628 @@
+"""The store and the host tier: offloaded tensors come back exact, in time, once per storage.
+
+There is no accelerator here, so the host tier runs with ``include_cpu=True``: CPU tensors go
+through the same pool, lanes (a worker thread instead of a side stream) and bookkeeping as
+accelerator tensors would.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.policies import Decision, OpContext
+from remat.store import HostTier, Store
+from remat.store._lanes import ThreadLane
+from remat.store._tier import Ticket
+from remat.workloads import WORKLOAD_NAMES, get_workload
+
+from helpers import assert_records_equal, train
+
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def host() -> Iterator[HostTier]:
+    tier = HostTier(include_cpu=True)
+    with remat.store.tiers(host=tier):
+        yield tier
+    tier.close()
+
+
+def offloaded(model: nn.Module, tier: Any, **options: Any) -> nn.Module:
+    """``model`` with its forward run inside ``remat.offload(tier)``."""
+    forward = model.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with remat.offload(tier, **options):
+            return forward(*args, **kwargs)
+
+    model.forward = run  # type: ignore[method-assign]
+    return model
+
+
+def _batches(name: str, steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    workload = get_workload(name, "small")
+    return [workload.batch(seed=s) for s in range(steps)]
+
+
+class Recording:
+    """A tier that keeps bytes in a dict and logs every call, for golden call orders."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.data: dict[int, torch.Tensor] = {}
+        self.next = 0
+
+    def put(self, data: torch.Tensor) -> Ticket:
+        self.next += 1
+        self.data[self.next] = data.clone()
+        self.log.append(("put", self.next))
+        return self.next
+
+    def prefetch(self, ticket: Any, device: torch.device) -> None:
+        self.log.append(("prefetch", ticket))
+
+    def get(self, ticket: Any, device: torch.device) -> torch.Tensor:
+        self.log.append(("get", ticket))
+        return self.data[ticket].clone()
+
+    def drop(self, ticket: Any) -> None:
+        self.log.append(("drop", ticket))
+        del self.data[ticket]
+
+    def flush(self) -> None:
+        self.log.append(("flush", 0))
+
+    def close(self) -> None:
+        self.data.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact: everything offloaded, per engine
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", WORKLOAD_NAMES)
+def test_everything_offloaded_to_host_is_bit_exact(name: str, host: HostTier) -> None:
+    workload = get_workload(name, "small")
+    plain = workload.model(seed=0)
+    twin = offloaded(copy.deepcopy(plain), "host", min_bytes=0)
+    batches = _batches(name)
+    assert_records_equal(
+        train(plain, batches, workload.loss_fn), train(twin, batches, workload.loss_fn)
+    )
+    assert host.stats.copies_out > 10 and host.stats.copies_in >= host.stats.copies_out
+
+
+@pytest.mark.parametrize("name", WORKLOAD_NAMES)
+def test_graph_engine_offloading_every_output_is_bit_exact(name: str, host: HostTier) -> None:
+    workload = get_workload(name, "small")
+    plain = workload.model(seed=0)
+    policy = remat.policies.offload_everything("host")
+    wrapped = remat.apply(copy.deepcopy(plain), workload.block_types, policy=policy)
+    batches = _batches(name)
+    assert_records_equal(
+        train(plain, batches, workload.loss_fn), train(wrapped, batches, workload.loss_fn)
+    )
+    assert host.stats.copies_out > 10
+
+
+@pytest.mark.parametrize("name", WORKLOAD_NAMES)
+def test_region_engine_inputs_offloaded_is_bit_exact(name: str, host: HostTier) -> None:
+    workload = get_workload(name, "small")
+    plain = workload.model(seed=0)
+    wrapped = remat.apply(copy.deepcopy(plain), workload.block_types, offload_to_cpu=True)
+    batches = _batches(name)
+    before = host.stats.copies_out
+    assert_records_equal(
+        train(plain, batches, workload.loss_fn), train(wrapped, batches, workload.loss_fn)
+    )
+    # Each block's input went out once per step (the first block's input is a leaf only when
+    # the model starts with a block).
+    blocks = sum(isinstance(m, workload.block_types) for m in plain.modules())
+    assert host.stats.copies_out - before >= 2 * (blocks - 1)
+
+
+def test_region_engine_inside_an_offload_block_offloads_region_inputs(host: HostTier) -> None:
+    workload = get_workload("gpt", "small")
+    plain = workload.model(seed=0)
+    wrapped = offloaded(remat.apply(copy.deepcopy(plain), workload.block_types), "host")
+    batches = _batches("gpt")
+    assert_records_equal(
+        train(plain, batches, workload.loss_fn), train(wrapped, batches, workload.loss_fn)
+    )
+    assert host.stats.copies_out > 0
+
+
+def test_one_policy_keeps_offloads_and_recomputes(host: HostTier) -> None:
+    def three_ways(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        if op in remat.policies.MATMULS:
+            return Decision.PREFER_SAVE
+        if op is aten.gelu.default:
+            return Decision.PREFER_OFFLOAD_HOST
+        return Decision.PREFER_RECOMPUTE
+
+    workload = get_workload("gpt", "small")
+    plain = workload.model(seed=0)
+    wrapped = remat.apply(copy.deepcopy(plain), workload.block_types, policy=three_ways)
+    batches = _batches("gpt")
+    assert_records_equal(
+        train(plain, batches, workload.loss_fn), train(wrapped, batches, workload.loss_fn)
+    )
+    # On 2-d inputs each op saves another's output directly (no reshapes between them).
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.Tanh())
+    remat.checkpoint_wrapper(mlp, policy=three_ways)
+    report = remat.explain(mlp, torch.randn(4, 8))
+    rows = [(r.op, r.decision) for r in report.rows if r.kind == "activation"]
+    assert rows == [("addmm", "keep"), ("gelu", "offload"), ("tanh", "recompute")]
+
+
+def test_torch_cpu_offload_policy_works_unchanged(host: HostTier) -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op is aten.mm.default:
+            return CheckpointPolicy.MUST_CPU_OFFLOAD
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x @ w).tanh() @ w
+
+    expected = torch.autograd.grad(f(x).sum(), (x, w))
+    before = host.stats.copies_out
+    actual = torch.autograd.grad(remat.checkpoint(f, x, policy=torch_policy).sum(), (x, w))
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual, strict=True))
+    # The first mm's output goes out (tanh's output is rebuilt from it); the second's is
+    # needed by nothing in backward, so it is never copied.
+    assert host.stats.copies_out - before == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd semantics
+# ---------------------------------------------------------------------------------------------
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16), nn.Sigmoid()), (
+        torch.randn(8, 16, requires_grad=True)
+    )
+
+
+def test_retain_graph_twice_and_autograd_grad(host: HostTier) -> None:
+    model, x = _mlp()
+    loss = model(x).pow(2).sum()
+    expected = torch.autograd.grad(loss, [x, *model.parameters()])
+    with remat.offload("host", min_bytes=0):
+        loss = model(x).pow(2).sum()
+    first = torch.autograd.grad(loss, [x, *model.parameters()], retain_graph=True)
+    second = torch.autograd.grad(loss, [x, *model.parameters()])
+    for a, b, c in zip(expected, first, second, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_double_backward(host: HostTier) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * x.exp()).sum()
+
+    x = torch.randn(32, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+    (expected,) = torch.autograd.grad(g.sum(), x)
+    with remat.offload("host", min_bytes=0):
+        y = f(x)
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+    (actual,) = torch.autograd.grad(g.sum(), x)
+    assert torch.equal(expected, actual)
+
+
+def test_no_grad_saves_nothing(host: HostTier) -> None:
+    model, x = _mlp()
+    with torch.no_grad(), remat.offload("host", min_bytes=0):
+        model(x)
+    assert host.stats.copies_out == 0
+
+
+def test_views_of_one_storage_are_stored_once_and_come_back_as_views() -> None:
+    seen: list[tuple[int, int]] = []
+
+    class TwoViews(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+            base = a * 2
+            ctx.save_for_backward(base[1:], base.t())
+            return base.sum()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            rows, transposed = ctx.saved_tensors
+            seen.append(
+                (rows.untyped_storage().data_ptr(), transposed.untyped_storage().data_ptr())
+            )
+            assert torch.equal(rows, transposed.t()[1:])
+            return grad * 2 * torch.ones_like(transposed.t())
+
+    tier = Recording()
+    a = torch.randn(4, 4, requires_grad=True)
+    with remat.offload(tier, min_bytes=0):
+        out = TwoViews.apply(a)
+    assert [op for op, _ in tier.log] == ["put", "flush"]
+    out.backward()
+    assert len(seen) == 1 and seen[0][0] == seen[0][1]
+    assert [op for op, _ in tier.log] == ["put", "flush", "get", "drop"]
+    assert torch.equal(a.grad, torch.full((4, 4), 2.0))
+
+
+def test_backward_fetches_in_reverse_order_of_saving_and_prefetches_ahead() -> None:
+    tier = Recording()
+    x = torch.randn(64, requires_grad=True)
+    with remat.offload(tier, min_bytes=0, prefetch=2):
+        y = x
+        for _ in range(4):
+            y = y.exp()  # exp saves its output: four storages, saved in order 1..4
+    puts = [t for op, t in tier.log if op == "put"]
+    assert puts == [1, 2, 3, 4]
+    tier.log.clear()
+    y.sum().backward()
+    assert tier.log == [
+        ("get", 4),
+        ("prefetch", 3),
+        ("prefetch", 2),
+        ("drop", 4),
+        ("get", 3),
+        ("prefetch", 2),
+        ("prefetch", 1),
+        ("drop", 3),
+        ("get", 2),
+        ("prefetch", 1),
+        ("drop", 2),
+        ("get", 1),
+        ("drop", 1),
+    ]
+
+
+def test_modified_in_place_after_saving_raises(host: HostTier) -> None:
+    x = torch.randn(8, requires_grad=True)
+    with remat.offload("host", min_bytes=0):
+        y = x.exp()
+    y.add_(1)
+    with pytest.raises(remat.RematError, match=r"modified in place after it was saved"):
+        y.sum().backward()
+
+
+def test_graph_engine_offloaded_output_then_written_in_place_is_exact(host: HostTier) -> None:
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w  # offloaded
+        a = h.exp()  # recomputed in backward from h as it is here...
+        h.relu_()  # ... before this write
+        return a * h
+
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = torch.autograd.grad(f(x).sum(), (x, w))
+    policy = remat.policies.offload_matmuls("host")
+    actual = torch.autograd.grad(remat.checkpoint(f, x, policy=policy).sum(), (x, w))
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifetimes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_stored_bytes_freed_after_backward_and_when_backward_never_happens(
+    host: HostTier,
+) -> None:
+    store = remat.store.scope.store_for(host)
+    model, x = _mlp()
+    with remat.offload(host, min_bytes=0):
+        loss = model(x).sum()
+    assert store.stored_bytes > 0
+    loss.backward()
+    assert store.stored_bytes == 0
+    with remat.offload(host, min_bytes=0):
+        loss = model(x).sum()
+    assert store.stored_bytes > 0
+    del loss
+    assert store.stored_bytes == 0  # no gc.collect(): no reference cycles
+    assert host.pool.cached_bytes > 0  # buffers went back to the pool
+
+
+def test_pool_buffers_are_reused_from_step_to_step(host: HostTier) -> None:
+    model, x = _mlp()
+    for _ in range(3):
+        with remat.offload(host, min_bytes=0):
+            loss = model(x).sum()
+        loss.backward()
+        if _ == 0:
+            after_first = host.pool.allocated
+    assert host.pool.allocated == after_first
+
+
+def test_a_model_and_its_offloaded_activations_are_freed_without_gc(host: HostTier) -> None:
+    model, x = _mlp()
+    with remat.offload(host, min_bytes=0):
+        loss = model(x).sum()
+    store = remat.store.scope.store_for(host)
+    assert store.stored_bytes > 0
+    ref = weakref.ref(model)
+    del model, loss
+    assert ref() is None and store.stored_bytes == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The lanes: ordering, bounds, early reuse (the stream logic, on a thread)
+# ---------------------------------------------------------------------------------------------
+
+
+class GatedLane(ThreadLane):
+    """A thread lane whose copies wait until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        self._jobs.put((self.gate.wait, Future()))  # the copy runs after the gate opens
+        return super().copy(dst, src)
+
+
+@contextmanager
+def gated(tier: HostTier) -> Iterator[GatedLane]:
+    lane = GatedLane()
+    tier._lanes[torch.device("cpu")] = lane
+    try:
+        yield lane
+    finally:
+        lane.gate.set()
+
+
+def _flat(n: int, value: float = 1.0) -> torch.Tensor:
+    return torch.full((n,), value).view(torch.uint8)
+
+
+def test_copies_in_flight_are_bounded() -> None:
+    tier = HostTier(include_cpu=True, max_in_flight=2)
+    with gated(tier) as lane:
+        tickets = [tier.put(_flat(256, i)) for i in range(2)]
+        assert tier.stats.waits_for_bound == 0
+        opener = threading.Timer(0.05, lane.gate.set)
+        opener.start()
+        tickets.append(tier.put(_flat(256, 2)))  # waits for the oldest copy
+        opener.join()
+    assert tier.stats.waits_for_bound == 1
+    assert tier.stats.max_in_flight_seen == 2
+    cpu = torch.device("cpu")
+    for i, ticket in enumerate(tickets):
+        assert torch.equal(tier.get(ticket, cpu), _flat(256, i))
+    tier.close()
+
+
+def test_a_source_is_held_until_its_copy_has_run() -> None:
+    """The CPU face of pytorch/pytorch#106360: the memory a pending copy reads stays
+    allocated, whoever drops the tensor, until the copy has run."""
+    tier = HostTier(include_cpu=True)
+    with gated(tier) as lane:
+        source = torch.arange(1024, dtype=torch.float32)
+        storage = weakref.ref(source.untyped_storage())
+        ticket = tier.put(source.view(torch.uint8))
+        del source
+        gc.collect()
+        assert storage() is not None  # the copy has not run: the bytes must stay
+        lane.gate.set()
+        tier.flush()
+        back = tier.get(ticket, torch.device("cpu"))
+    assert storage() is None  # the copy ran and the source went
+    assert torch.equal(back.view(torch.float32), torch.arange(1024, dtype=torch.float32))
+    tier.close()
+
+
+def test_a_buffer_is_reused_only_after_its_copies_have_run() -> None:
+    tier = HostTier(include_cpu=True)
+    cpu = torch.device("cpu")
+    ticket = tier.put(_flat(64, 1.0))
+    tier.get(ticket, cpu)
+    with gated(tier) as lane:
+        tier.prefetch(ticket, cpu)  # a copy back, pending behind the gate
+        tier.drop(ticket)
+        assert tier.pool.cached_bytes == 0  # not yet free: a copy still reads it
+        lane.gate.set()
+        tier.get  # noqa: B018
+        for _ in range(100):
+            tier.flush()
+            if tier.pool.cached_bytes:
+                break
+            threading.Event().wait(0.01)
+    assert tier.pool.cached_bytes == 256
+    tier.close()
+
+
+def test_loads_follow_stores_on_the_lane() -> None:
+    tier = HostTier(include_cpu=True)
+    cpu = torch.device("cpu")
+    with gated(tier) as lane:
+        ticket = tier.put(_flat(1 << 16, 7.0))
+        tier.prefetch(ticket, cpu)  # queued behind the copy out
+        lane.gate.set()
+        assert torch.equal(tier.get(ticket, cpu), _flat(1 << 16, 7.0))
+    tier.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: remat.offload("hots"), r"unknown tier 'hots'.*did you mean 'host'"),
+        (lambda: remat.offload("host", min_bytes=-1), r"min_bytes must be an int >= 0"),
+        (lambda: remat.offload("host", prefetch=-2), r"prefetch must be an int >= 0"),
+        (lambda: remat.offload(object()), r"tier must be 'host', 'disk' or a tier object"),  # type: ignore[arg-type]
+        (lambda: remat.store.tiers(host=3), r"host= must be a tier"),  # type: ignore[arg-type]
+        (lambda: remat.policies.offload_everything("ssd"), r"tier must be 'host' or 'disk'"),
+    ],
+)
+def test_bad_input(call: Callable[[], Any], message: str) -> None:
+    with pytest.raises(remat.RematError, match=message), call():
+        pass
+
+
+def test_host_tier_refuses_cpu_tensors_unless_asked() -> None:
+    tier = HostTier()
+    with pytest.raises(remat.RematError, match=r"in host memory already.*tier='disk'"):
+        tier.put(_flat(8))
+    tier.close()
+
+
+def test_must_recompute_on_a_data_dependent_op_names_offload_as_a_way_out() -> None:
+    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return Decision.MUST_RECOMPUTE
+
+    x = torch.randn(8, requires_grad=True)
+    with pytest.raises(remat.RematError, match=r"MUST_SAVE or an OFFLOAD decision"):
+        remat.checkpoint(lambda t: t[t.nonzero()].sum(), x, policy=policy)
+
+
+def test_an_offload_decision_on_a_data_dependent_op_is_honoured(host: HostTier) -> None:
+    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return Decision.PREFER_OFFLOAD_HOST if op is aten.sort.default else Decision.MUST_SAVE
+
+    x = torch.randn(8, requires_grad=True)
+    expected = torch.autograd.grad(x.sort().values.exp().sum(), x)
+    before = host.stats.copies_out
+    actual = torch.autograd.grad(
+        remat.checkpoint(lambda t: t.sort().values.exp().sum(), x, policy=policy), x
+    )
+    assert torch.equal(expected[0], actual[0])
+    assert host.stats.copies_out - before >= 1
+
+
+def test_store_rejects_a_bad_prefetch() -> None:
+    with pytest.raises(remat.RematError, match=r"prefetch must be an int >= 0"):
+        Store(Recording(), prefetch=-1)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# The disk tier behind the store
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def disk(tmp_path: Any) -> Iterator[remat.store.DiskTier]:
+    tier = remat.store.DiskTier(tmp_path)
+    with remat.store.tiers(disk=tier):
+        yield tier
+    tier.close()
+
+
+def _files_in(tier: remat.store.DiskTier) -> list[str]:
+    return sorted(p.name for p in tier.directory.iterdir())
+
+
+@pytest.mark.parametrize("engine", ["none", "region", "graph"])
+@pytest.mark.parametrize("name", WORKLOAD_NAMES)
+def test_everything_offloaded_to_disk_is_bit_exact(
+    name: str, engine: str, disk: remat.store.DiskTier
+) -> None:
+    workload = get_workload(name, "small")
+    plain = workload.model(seed=0)
+    twin = copy.deepcopy(plain)
+    if engine == "region":
+        remat.apply(twin, workload.block_types)
+    elif engine == "graph":
+        remat.apply(twin, workload.block_types, policy=remat.policies.offload_everything("disk"))
+    twin = offloaded(twin, "disk", min_bytes=0)
+    batches = _batches(name)
+    assert_records_equal(
+        train(plain, batches, workload.loss_fn), train(twin, batches, workload.loss_fn)
+    )
+    assert disk.stats.files_written > 0 and disk.stats.files_read >= disk.stats.files_written
+    assert _files_in(disk) == []  # every file removed once backward let go of it
+
+
+def test_no_files_left_after_an_exception_in_the_step(disk: remat.store.DiskTier) -> None:
+    model, x = _mlp()
+
+    def failing_step() -> None:
+        with remat.offload("disk", min_bytes=0):
+            h = model[0](x).tanh()
+            assert _files_in(disk) or disk.stats.files_written == 0
+            raise ValueError(f"bad batch {h.shape}")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        failing_step()
+    disk.flush()
+    assert _files_in(disk) == []
+
+
+def test_a_full_disk_raises_in_forward_and_leaves_the_training_state_as_it_was(
+    disk: remat.store.DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from remat.store import _files
+
+    workload = get_workload("gpt", "small")
+    model = workload.model(seed=0)
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    (x0, y0), (x1, y1) = _batches("gpt")
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+        o.zero_grad()
+        torch.manual_seed(7)
+        with remat.offload("disk", min_bytes=0) if m is model else torch.enable_grad():
+            loss = workload.loss_fn(m(x), y)
+        loss.backward()
+        o.step()
+
+    step(model, opt, x0, y0)  # one good step: state to protect
+    step(plain, plain_opt, x0, y0)
+
+    def snapshot() -> list[torch.Tensor]:
+        state = [t.clone() for t in model.state_dict().values()]
+        state += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        state += [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        return state
+
+    before = snapshot()
+    write_all = _files.write_all
+
+    def full(fd: int, data: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_files, "write_all", full)
+    full_disk = pytest.raises(remat.RematError, match=r"(?s)No space left.*directory=")
+    with full_disk, remat.offload("disk", min_bytes=0):
+        workload.loss_fn(model(x1), y1)
+    after = snapshot()
+    assert len(before) == len(after)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # With room again, the same step gives what a plain step gives.
+    monkeypatch.setattr(_files, "write_all", write_all)
+    step(model, opt, x1, y1)
+    step(plain, plain_opt, x1, y1)
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert _files_in(disk) == []

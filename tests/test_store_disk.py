@@ -1,0 +1,514 @@
+"""The disk tier: bytes round trip exactly, files never outlive their tier, errors surface once."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import remat
+from remat import RematError
+from remat.store import _files
+from remat.store.disk import DiskTier, sequential_bandwidth
+
+CPU = torch.device("cpu")
+
+
+def _bytes(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _files_in(tier: DiskTier) -> list[str]:
+    return sorted(os.listdir(tier.directory))
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def tier(tmp_path: pathlib.Path) -> Iterator[DiskTier]:
+    with DiskTier(tmp_path) as t:
+        yield t
+
+
+class _Gate:
+    """Writes wait at the gate until it opens; ``entered`` counts the writes that reached it."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Semaphore(0)
+        self.open = threading.Event()
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> _Gate:
+    gate = _Gate()
+    write_all = _files.write_all
+
+    def gated(fd: int, view: memoryview) -> None:
+        gate.entered.release()
+        assert gate.open.wait(5)
+        write_all(fd, view)
+
+    monkeypatch.setattr(_files, "write_all", gated)
+    return gate
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 1_000_003, 3 * 2**20 + 7])
+def test_round_trip_is_bit_equal(tier: DiskTier, nbytes: int) -> None:
+    data = _bytes(nbytes)
+    ticket = tier.put(data)
+    out = tier.get(ticket, CPU)
+    assert out.dtype == torch.uint8 and out.shape == (nbytes,)
+    assert torch.equal(out, data)
+    assert out.data_ptr() != data.data_ptr() or nbytes == 0
+    tier.drop(ticket)
+    assert _files_in(tier) == []
+
+
+def test_prefetch_then_get(tier: DiskTier) -> None:
+    datas = [_bytes(2**16 + i, seed=i) for i in range(8)]
+    tickets = [tier.put(d) for d in datas]
+    for t in tickets:
+        tier.prefetch(t, CPU)
+        tier.prefetch(t, CPU)  # twice is harmless
+    for t, d in zip(tickets, datas, strict=True):
+        assert torch.equal(tier.get(t, CPU), d)
+    assert tier.stats.files_read == 8
+
+
+def test_get_twice_gives_equal_owned_tensors(tier: DiskTier) -> None:
+    data = _bytes(10_000)
+    ticket = tier.put(data)
+    tier.prefetch(ticket, CPU)
+    first = tier.get(ticket, CPU)
+    first.zero_()  # the caller owns it: the stored bytes do not change
+    tier.prefetch(ticket, CPU)  # a second backward prefetches again
+    assert torch.equal(tier.get(ticket, CPU), data)
+    assert torch.equal(tier.get(ticket, CPU), data)
+
+
+def test_put_releases_data_once_written(tier: DiskTier) -> None:
+    data = _bytes(2**20)
+    ref = weakref.ref(data)
+    ticket = tier.put(data)
+    del data
+    tier.flush()
+    assert ref() is None
+    assert len(_files_in(tier)) == 1
+    tier.drop(ticket)
+
+
+def test_drop_before_or_during_write_leaves_no_file(tmp_path: pathlib.Path, gate: _Gate) -> None:
+    with DiskTier(tmp_path, threads=1) as tier:
+        writing = tier.put(_bytes(1000))
+        assert gate.entered.acquire(timeout=5)  # its file is open, the worker waits
+        queued = tier.put(_bytes(2000))
+        tier.drop(queued)  # never starts
+        tier.drop(writing)  # started: the worker removes its file
+        gate.open.set()
+        tier.flush()
+        assert _files_in(tier) == []
+        assert tier.stats.files_written == 1
+        assert tier.stats.pending_bytes == 0
+
+
+def test_drop_during_prefetch_leaves_no_file(tier: DiskTier, gate: _Gate) -> None:
+    ticket = tier.put(_bytes(5000))
+    tier.prefetch(ticket, CPU)  # waits for its write
+    assert gate.entered.acquire(timeout=5)
+    tier.drop(ticket)
+    gate.open.set()
+    tier.flush()
+    _wait_for(lambda: _files_in(tier) == [])
+    tier.drop(ticket)  # twice is harmless
+    with pytest.raises(RematError, match="not yet dropped"):
+        tier.get(ticket, CPU)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+@pytest.mark.parametrize("umask", [0o000, 0o277])
+def test_directory_and_file_modes(tmp_path: pathlib.Path, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        with DiskTier(tmp_path) as tier:
+            tier.put(_bytes(10))
+            tier.flush()
+            (name,) = _files_in(tier)
+            assert stat.S_IMODE(os.stat(tier.directory).st_mode) == 0o700
+            assert stat.S_IMODE(os.stat(tier.directory.parent).st_mode) == 0o700
+            assert stat.S_IMODE(os.stat(tier.directory / name).st_mode) == 0o600
+    finally:
+        os.umask(old)
+
+
+def test_directory_layout(tier: DiskTier, tmp_path: pathlib.Path) -> None:
+    assert tier.directory.parent == _files.parent_directory(tmp_path)
+    assert tier.directory.name.startswith(f"{os.getpid()}-")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="liveness by os.kill(pid, 0)")
+def test_sweep_removes_dead_processes_directories_only(tmp_path: pathlib.Path) -> None:
+    parent = _files.parent_directory(tmp_path)
+    parent.mkdir(mode=0o700)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        stale = parent / f"{dead.pid}-00ff"
+        kept = parent / f"{live.pid}-00ff"
+        foreign = parent / "not-ours"
+        for path in (stale, kept, foreign):
+            path.mkdir()
+            (path / "00000000.bin").write_bytes(b"x")
+        mine = _files.private_directory(tmp_path)
+        assert not stale.exists()
+        assert kept.exists() and foreign.exists() and mine.exists()
+        assert _files.sweep_stale(parent) == []  # a second sweep finds nothing
+    finally:
+        live.kill()
+        live.wait()
+        _files.remove_private_directory(mine)
+    assert not mine.exists()
+
+
+_CHILD = (
+    "import sys, time, torch\n"
+    "from remat.store.disk import DiskTier\n"
+    "tier = DiskTier(sys.argv[1])  # never closed\n"
+    "tier.put(torch.ones(4096, dtype=torch.uint8))\n"
+    "tier.flush()\n"
+    "tier.put(torch.ones(2**24, dtype=torch.uint8))  # pending at exit\n"
+    "print(tier.directory, flush=True)\n"
+    "if sys.argv[2] == 'wait': time.sleep(60)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def children(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, tuple[subprocess.Popen[str], pathlib.Path]]]:
+    """Two processes that leave a tier unclosed, started together to save the test time:
+    ``"exit"`` exits normally, ``"wait"`` sleeps until the test kills it."""
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(remat.__file__).parents[1]))
+    started = {}
+    for how in ("exit", "wait"):
+        root = tmp_path_factory.mktemp(how)
+        command = [sys.executable, "-c", _CHILD, str(root), how]
+        started[how] = (subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True), root)
+    yield started
+    for child, _ in started.values():
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGKILL")
+def test_killed_process_leaves_directory_the_next_start_removes(
+    children: dict[str, tuple[subprocess.Popen[str], pathlib.Path]],
+) -> None:
+    child, root = children["wait"]
+    try:
+        assert child.stdout is not None
+        left = pathlib.Path(child.stdout.readline().strip())
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.communicate()
+    assert child.returncode == -signal.SIGKILL
+    assert left.is_dir() and len(os.listdir(left)) >= 1
+    with DiskTier(root) as tier:
+        assert not left.exists()
+        assert tier.directory.parent == left.parent
+
+
+def test_normal_exit_with_a_forgotten_tier_leaves_nothing(
+    children: dict[str, tuple[subprocess.Popen[str], pathlib.Path]],
+) -> None:
+    child, root = children["exit"]
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 0
+    assert not pathlib.Path(out.strip()).exists()
+    assert os.listdir(_files.parent_directory(root)) == []
+
+
+def test_close_removes_everything(tmp_path: pathlib.Path) -> None:
+    tier = DiskTier(tmp_path)
+    tickets = [tier.put(_bytes(2**15, seed=i)) for i in range(5)]
+    tier.prefetch(tickets[0], CPU)
+    tier.flush()
+    directory = tier.directory
+    assert len(os.listdir(directory)) == 5
+    tier.close()
+    tier.close()  # twice is harmless
+    assert not directory.exists()
+    assert os.listdir(directory.parent) == []
+    with pytest.raises(RematError, match="already closed"):
+        tier.put(_bytes(1))
+    with pytest.raises(RematError, match="already closed"):
+        tier.get(tickets[1], CPU)
+    tier.drop(tickets[2])
+    tier.flush()
+
+
+def test_exception_in_scope_removes_directory(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError), DiskTier(tmp_path) as tier:
+        tier.put(_bytes(100))
+        directory = tier.directory
+        raise ValueError("step failed")
+    assert not directory.exists()
+
+
+def test_forgotten_tier_is_cleaned_without_gc(tmp_path: pathlib.Path) -> None:
+    tier = DiskTier(tmp_path)
+    tier.put(_bytes(2**20))  # possibly still being written
+    tier.prefetch(tier.put(_bytes(100)), CPU)
+    directory, ref = tier.directory, weakref.ref(tier)
+    del tier
+    assert ref() is None
+    assert not directory.exists()
+
+
+def test_pending_bytes_bound(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_all = _files.write_all
+
+    def slow(fd: int, view: memoryview) -> None:
+        time.sleep(0.002)
+        write_all(fd, view)
+
+    monkeypatch.setattr(_files, "write_all", slow)
+    bound = 2**20
+    with DiskTier(tmp_path, threads=1, max_pending_bytes=bound) as tier:
+        for i in range(16):
+            tier.put(_bytes(2**18, seed=i))
+        stats = tier.stats
+        assert bound * 3 // 4 <= stats.peak_pending_bytes <= bound
+        assert stats.puts_waited > 0
+        big = _bytes(3 * bound)
+        ticket = tier.put(big)  # larger than the bound: accepted alone
+        assert tier.stats.peak_pending_bytes == 3 * bound
+        assert torch.equal(tier.get(ticket, CPU), big)
+        tier.flush()
+        assert tier.stats.pending_bytes == 0
+        assert tier.stats.bytes_written == 16 * 2**18 + 3 * bound
+
+
+def test_stats_count_bytes_files_and_seconds(tier: DiskTier, gate: _Gate) -> None:
+    sizes = [100, 2**16, 2**20]
+    tickets = [tier.put(_bytes(n)) for n in sizes]
+    assert tier.stats.pending_bytes == sum(sizes)  # held at the gate
+    gate.open.set()
+    tier.flush()
+    tier.prefetch(tickets[2], CPU)
+    tier.get(tickets[2], CPU)
+    tier.get(tickets[0], CPU)  # read in the caller's thread
+    stats = tier.stats
+    assert (stats.bytes_written, stats.files_written) == (sum(sizes), 3)
+    assert (stats.bytes_read, stats.files_read) == (sizes[0] + sizes[2], 2)
+    assert stats.write_seconds > 0 and stats.read_seconds > 0
+    assert 0 < stats.write_wall_seconds <= stats.write_seconds + 1e-6
+    assert 0 < stats.read_wall_seconds <= stats.read_seconds + 1e-6
+    assert (stats.pending_bytes, stats.peak_pending_bytes) == (0, sum(sizes))
+    assert (stats.failed_writes, stats.puts_waited) == (0, 0)
+
+
+def _fail_writes(monkeypatch: pytest.MonkeyPatch, after: threading.Event | None = None) -> None:
+    """Writes put half their bytes on disk, then find the disk full (once *after* is set)."""
+
+    def full(fd: int, view: memoryview) -> None:
+        assert after is None or after.wait(5)
+        os.write(fd, view[: len(view) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_files, "write_all", full)
+
+
+def test_write_error_is_clear_raised_once_and_cleaned(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fail_writes(monkeypatch)
+    lost = tier.put(_bytes(3 * 2**20))
+    with pytest.raises(RematError) as info:
+        tier.flush()
+    message = str(info.value)
+    assert message.startswith("remat: ")
+    for part in (
+        "ENOSPC",
+        str(3 * 2**20),
+        str(tier.directory),
+        "free there",
+        "directory=",
+        "min_bytes=",
+    ):
+        assert part in message
+    assert isinstance(info.value.__cause__, OSError)
+    assert _files_in(tier) == []  # the half-written file is gone
+    tier.flush()  # raised once
+    assert tier.stats.failed_writes == 1
+    with pytest.raises(RematError, match="write failed earlier"):
+        tier.get(lost, CPU)
+    tier.drop(lost)
+
+    monkeypatch.undo()  # space again: the tier still works
+    data = _bytes(1234)
+    assert torch.equal(tier.get(tier.put(data), CPU), data)
+
+
+def test_write_error_surfaces_from_next_put(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    both_put = threading.Event()
+    _fail_writes(monkeypatch, after=both_put)
+    with DiskTier(tmp_path, threads=1) as tier:
+        tier.put(_bytes(100))
+        tier.put(_bytes(200))
+        both_put.set()
+        _wait_for(lambda: tier.stats.failed_writes == 2)
+        monkeypatch.undo()
+        with pytest.raises(
+            RematError, match=r"write 100 bytes.*ENOSPC.*1 more write\(s\), 200 bytes in all"
+        ):
+            tier.put(_bytes(300))
+        ticket = tier.put(_bytes(300))  # reported once: this one is accepted
+        tier.flush()
+        assert len(_files_in(tier)) == 1
+        tier.drop(ticket)
+
+
+def test_write_error_surfaces_from_get_of_the_failed_ticket(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fail_writes(monkeypatch)
+    ticket = tier.put(_bytes(100))
+    tier.prefetch(ticket, CPU)
+    with pytest.raises(RematError, match="ENOSPC"):
+        tier.get(ticket, CPU)
+    tier.flush()  # already reported by get
+
+
+def _mount_tiny_tmpfs(path: pathlib.Path) -> bool:
+    if sys.platform != "linux":
+        return False
+    path.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def test_real_full_disk_on_a_tiny_tmpfs(tmp_path: pathlib.Path) -> None:
+    mount = tmp_path / "tiny"
+    if not _mount_tiny_tmpfs(mount):
+        pytest.skip("cannot mount a tmpfs here (needs root on Linux)")
+    try:
+        with DiskTier(mount) as tier:
+            small = tier.put(_bytes(100_000))
+            tier.put(_bytes(2 * 2**20))
+            with pytest.raises(RematError, match="ENOSPC") as info:
+                tier.flush()
+            assert str(2 * 2**20) in str(info.value)
+            assert _files_in(tier) == ["00000000.bin"]
+            assert torch.equal(tier.get(small, CPU), _bytes(100_000))
+        assert os.listdir(_files.parent_directory(mount)) == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=True, timeout=10)
+
+
+def test_bad_arguments_are_clear_errors(tier: DiskTier, tmp_path: pathlib.Path) -> None:
+    for bad in (
+        torch.zeros(4, dtype=torch.float32),
+        torch.zeros(2, 2, dtype=torch.uint8),
+        torch.zeros(8, dtype=torch.uint8)[::2],
+        b"bytes",
+    ):
+        with pytest.raises(RematError, match="flat contiguous uint8 CPU tensor"):
+            tier.put(bad)  # type: ignore[arg-type]
+    with pytest.raises(RematError, match="threads to be an int >= 1"):
+        DiskTier(tmp_path, threads=0)
+    with pytest.raises(RematError, match="max_pending_bytes"):
+        DiskTier(tmp_path, max_pending_bytes=0)
+    with DiskTier(tmp_path) as other:
+        foreign = other.put(_bytes(1))
+        with pytest.raises(RematError, match="ticket this disk tier returned"):
+            tier.get(foreign, CPU)
+        with pytest.raises(RematError, match="ticket this disk tier returned"):
+            tier.prefetch(foreign, CPU)
+        tier.drop(foreign)  # not ours: ignored
+        assert torch.equal(other.get(foreign, CPU), _bytes(1))
+
+
+def test_concurrent_callers(tier: DiskTier) -> None:
+    failures: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            for i in range(20):
+                data = _bytes(1000 + i, seed=seed * 100 + i)
+                ticket = tier.put(data)
+                if i % 2:
+                    tier.prefetch(ticket, CPU)
+                assert torch.equal(tier.get(ticket, CPU), data)
+                tier.drop(ticket)
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    tier.flush()
+    assert _files_in(tier) == []
+    assert tier.stats.files_written == 80
+
+
+def test_without_numpy_the_bytes_still_round_trip(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_numpy(self: torch.Tensor, *, force: bool = False) -> None:
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    for n in (0, 7, 2**20):
+        data = _bytes(n)
+        assert torch.equal(tier.get(tier.put(data), CPU), data)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_get_to_cuda(tier: DiskTier) -> None:
+    data = _bytes(2**20)
+    ticket = tier.put(data)
+    cuda = torch.device("cuda")
+    tier.prefetch(ticket, cuda)
+    out = tier.get(ticket, cuda)
+    assert out.device.type == "cuda"
+    assert torch.equal(out.cpu(), data)
+    assert torch.equal(tier.get(ticket, cuda).cpu(), data)
+
+
+def test_sequential_bandwidth(tmp_path: pathlib.Path) -> None:
+    write, read = sequential_bandwidth(tmp_path, 3 * 2**20 + 5)
+    assert write > 0 and read > 0
+    assert os.listdir(tmp_path) == []
