@@ -66,7 +66,7 @@ from ._replay import Replay
 from .errors import RematError
 from .policies import Decision, OpContext, as_decision, must_save_reason, resolve
 from .store._store import Saved, Store
-from .store.scope import store_for
+from .store.scope import drain, store_for
 
 __all__: list[str] = []
 
@@ -498,6 +498,10 @@ def recording(
             stack.enter_context(_AttentionScope(graph))
             stack.enter_context(Recorder(graph))
             yield
+    except BaseException:
+        for store in graph.stores:
+            drain(store)
+        raise
     finally:
         _state.state.graph = None
     graph.finish()

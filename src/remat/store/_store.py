@@ -158,7 +158,11 @@ class Store:
             data = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
             if device.type != "cpu" and not _takes(self.tier, device):
                 data = data.cpu()  # tiers that take host bytes only (disk): a synchronous copy
-        ticket = self.tier.put(data)
+        try:
+            ticket = self.tier.put(data)
+        except RematError:
+            self._live.clear()  # an earlier write failed: share no stored bytes from before
+            raise
         self._serial += 1
         stored = _Stored(self._serial, ticket, storage.nbytes(), device, version)
         self._order.append(stored)
@@ -234,8 +238,15 @@ class Store:
             self.tier.flush()  # waits for every write, this one included
 
     def flush(self) -> None:
-        """End of an offload scope (Step 3)."""
-        self.tier.flush()
+        """End of an offload scope (Step 3). After a failed write, no later save shares the
+        bytes stored before it (some may be missing), even while the failed step's tensors
+        are still alive (a traceback holds them)."""
+        try:
+            self.tier.flush()
+        except RematError:
+            with self._lock:
+                self._live.clear()
+            raise
 
 
 def _takes(tier: Tier, device: torch.device) -> bool:

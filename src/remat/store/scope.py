@@ -152,9 +152,19 @@ def offload(
     try:
         with torch.autograd.graph.saved_tensors_hooks(_packer(scope), _unpack):
             yield
+    except BaseException:
+        drain(store)
+        raise
     finally:
         _state.state.offload = previous
     store.flush()
+
+
+def drain(store: Store) -> None:
+    """After an exception in an offload scope: wait for its writes, so that their failures,
+    part of the same failed step, are not reported again by the next one."""
+    with contextlib.suppress(RematError):
+        store.flush()
 
 
 def _packer(scope: Scope) -> Any:
