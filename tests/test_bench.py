@@ -29,7 +29,11 @@ def test_peak_of_a_known_allocation_is_exact() -> None:
 def test_every_strategy_is_exact_or_says_why_it_cannot_run(name: str, strategy: str) -> None:
     workload = get_workload(name, "small")
     entry = get_strategy(strategy)
-    if entry.unsupported(workload) is not None:
+    reason = entry.unsupported(workload)
+    if entry.needs_accelerator:
+        assert reason is not None and "accelerator" in reason
+        return
+    if reason is not None:
         with pytest.raises(remat.RematError, match="feed each other directly"):
             entry.prepare(workload.model(), workload)
         return
@@ -150,3 +154,15 @@ def test_strategies_are_timed_next_to_their_counterparts() -> None:
             assert all(get_strategy(n).counterpart is not None for n in chain)
     assert order.index("remat-block") == order.index("torch-block") + 1
     assert order.index("remat-graph-mm") == order.index("torch-sac-mm") + 1
+
+
+def test_offload_measurement_runs_and_reports() -> None:
+    from remat.bench import offload
+
+    io = offload._spawn({"kind": "io", "size": "small", "seed": 0, "rounds": 1}, False)
+    assert io["bytes_written_per_step"] == io["bytes_read_per_step"] > 0
+    assert io["isolated_bytes"] > 0 and io["time_ratio"] > 0
+    rss = offload._spawn({"kind": "rss", "size": "small", "seed": 0, "strategy": "none"}, True)
+    assert rss["rss_peak_bytes"] >= rss["rss_before_bytes"] > 0
+    text = offload.report({"size": "small", "rss": {"none": rss}, "io": io})
+    assert "disk tier, gpt-small" in text and "ratio" in text

@@ -48,6 +48,9 @@ BAD: list[tuple[list[str], str]] = [
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
     (["--hf", "gpt3"], "unknown --hf model 'gpt3'"),
+    (["--strategies", "offload-host"], "offload-host moves tensors from an accelerator"),
+    (["--offload", "--workload", "mlp"], "--offload: measures the gpt workload"),
+    (["--offload", "--rounds", "0"], "--offload: --rounds must be at least 1"),
 ]
 
 

@@ -5,6 +5,7 @@ until backward, or drops it and rebuilds it in backward, with gradients bit-iden
 plain run.
 """
 
+from . import pipe as pipe
 from . import policies as policies
 from . import store as store
 from ._state import disable_checkpointing as disable_checkpointing
@@ -20,6 +21,7 @@ from .graph import tag as tag
 from .modules import apply as apply
 from .modules import checkpoint_sequential as checkpoint_sequential
 from .modules import checkpoint_wrapper as checkpoint_wrapper
+from .offload_model import OffloadModel as OffloadModel
 from .store import offload as offload
 from .track import MemoryReport as MemoryReport
 from .track import MemoryTracker as MemoryTracker
@@ -30,6 +32,7 @@ __all__ = [
     "CheckpointError",
     "MemoryReport",
     "MemoryTracker",
+    "OffloadModel",
     "RematError",
     "SavedTensorReport",
     "apply",
@@ -41,6 +44,7 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "offload",
+    "pipe",
     "policies",
     "region",
     "store",

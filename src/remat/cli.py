@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--list", action="store_true", help="list strategies and workloads")
     bench.add_argument(
+        "--offload",
+        action="store_true",
+        help="offload tiers instead: peak RSS, disk bandwidth and step time of the gpt step "
+        "with its saved tensors on disk, and OffloadModel on disk (use with --size bench)",
+    )
+    bench.add_argument(
         "--pipeline",
         action="store_true",
         help="pipelines instead: memory per stage and step time of the unet workload in "
@@ -67,6 +73,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.pipeline:
         return _pipeline(args)
+    if args.offload:
+        return _offload(args)
     if args.list:
         for entry in STRATEGIES.values():
             print(f"{entry.name:16} {entry.description}")
@@ -83,13 +91,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.strategies:
         strategies = args.strategies.split(",")
         for strategy in strategies:
-            reason = get_strategy(strategy).unsupported(workload)
+            reason = get_strategy(strategy).unsupported(workload, args.device)
             if reason is not None:
                 raise RematError(f"remat bench: strategy {strategy} {reason}.")
     else:
         strategies = []
         for entry in STRATEGIES.values():
-            reason = entry.unsupported(workload)
+            reason = entry.unsupported(workload, args.device)
             if reason is None:
                 strategies.append(entry.name)
             else:
@@ -249,3 +257,22 @@ def _subprocess(request: dict[str, Any]) -> dict[str, Any]:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _offload(args: argparse.Namespace) -> int:
+    import json
+
+    from .bench import offload, report
+
+    if args.workload != "gpt" or args.hf is not None:
+        raise RematError("remat bench --offload: measures the gpt workload; drop --workload/--hf.")
+    if args.rounds < 1:
+        raise RematError(f"remat bench --offload: --rounds must be at least 1, got {args.rounds}.")
+    json_path = args.json or Path("bench-out") / f"offload-gpt-{args.size}.json"
+    report.check_writable(json_path)
+    result = offload.measure(args.size, args.seed, args.rounds)
+    print(offload.report(result))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {json_path}")
+    return 0

@@ -11,7 +11,7 @@ import functools
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
@@ -20,6 +20,7 @@ from .. import modules as remat_modules
 from .. import policies
 from ..checkpoint import RegionOptions, run_region
 from ..errors import RematError, did_you_mean
+from ..store import offload
 from ..workloads import Workload
 
 __all__: list[str] = []
@@ -41,11 +42,14 @@ class Strategy:
     prepare: Callable[[nn.Module, Workload], None]
     counterpart: str | None = None
     needs_chain: bool = False
+    needs_accelerator: bool = False
 
-    def unsupported(self, workload: Workload) -> str | None:
-        """Why this strategy cannot run on ``workload``, or None if it can."""
+    def unsupported(self, workload: Workload, device: str = "cpu") -> str | None:
+        """Why this strategy cannot run on ``workload`` on ``device``, or None if it can."""
         if self.needs_chain and not workload.blocks_chain:
             return f"needs blocks that feed each other directly, which {workload.name} lacks"
+        if self.needs_accelerator and device == "cpu":
+            return "moves tensors from an accelerator to host memory; there is none on cpu"
         return None
 
 
@@ -148,6 +152,30 @@ def _none(model: nn.Module, workload: Workload) -> None:
     return None
 
 
+def _offloaded(tier: Literal["host", "disk"]) -> Callable[[nn.Module, Workload], None]:
+    """The whole forward inside ``remat.offload(tier)``: every saved tensor of 1 KiB or more
+    goes to the tier (with region strategies applied first, only what they save)."""
+
+    def prepare(model: nn.Module, workload: Workload) -> None:
+        forward = model.forward
+
+        def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
+            with offload(tier):
+                return forward(*args, **kwargs)
+
+        model.forward = offloaded_forward
+
+    return prepare
+
+
+def _then(*steps: Callable[[nn.Module, Workload], None]) -> Callable[[nn.Module, Workload], None]:
+    def prepare(model: nn.Module, workload: Workload) -> None:
+        for step in steps:
+            step(model, workload)
+
+    return prepare
+
+
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
@@ -193,6 +221,31 @@ STRATEGIES: dict[str, Strategy] = {
             _segments(3, _remat_checkpoint),
             "torch-seq-3",
             needs_chain=True,
+        ),
+        Strategy(
+            "offload-host",
+            "remat.offload('host'): every saved tensor in pinned host memory",
+            _offloaded("host"),
+            "none",
+            needs_accelerator=True,
+        ),
+        Strategy(
+            "offload-disk",
+            "remat.offload('disk'): every saved tensor in files",
+            _offloaded("disk"),
+            "none",
+        ),
+        Strategy(
+            "remat-block-disk",
+            "remat region engine every block, block inputs in files",
+            _then(_every(1, _remat_checkpoint), _offloaded("disk")),
+            "remat-block",
+        ),
+        Strategy(
+            "remat-graph-mm-disk",
+            "remat graph engine every block, matmul outputs in files, the rest recomputed",
+            _graph(policies.offload_matmuls("disk")),
+            "remat-graph-mm",
         ),
     )
 }

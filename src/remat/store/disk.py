@@ -29,8 +29,11 @@ state (``_Shared``), never the tier itself, so a forgotten tier is collected at 
    the caller frees it) and a read into it is queued; the read waits for the write (queued
    before it, so it never deadlocks the pool).
 4. **get**: takes the prefetched tensor if there is one (and forgets it: the caller owns it),
-   else reads now in the caller's thread. For a non-CPU device the bytes are read into CPU
-   memory and copied to the device. The file stays, so a second backward can ``get`` again.
+   else reads now in the caller's thread. For the CPU, "reading" maps the file privately
+   (``torch.from_file``): the tensor's pages are the page cache's, so there is no copy and no
+   fresh memory to fault in, and a prefetch faults the pages in on the worker. For a non-CPU
+   device the bytes are read into (pinned) CPU memory and copied to the device. The file
+   stays, so a second backward can ``get`` again.
 5. **drop**: forgets the ticket; the file is removed at once if no I/O on it is pending, else by
    the worker that finishes the last one. A write that has not started yet is skipped, so a
    drop before the write never leaves a file.
@@ -246,7 +249,7 @@ class DiskTier:
         directory: str | os.PathLike[str] | None = None,
         *,
         threads: int = 2,
-        max_pending_bytes: int = 256 * 2**20,
+        max_pending_bytes: int = 64 * 2**20,
     ) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise RematError(
@@ -260,7 +263,7 @@ class DiskTier:
         ):
             raise RematError(
                 f"remat: expected max_pending_bytes to be an int >= 1, found "
-                f"{max_pending_bytes!r}. Pass e.g. DiskTier(max_pending_bytes=256 * 2**20)."
+                f"{max_pending_bytes!r}. Pass e.g. DiskTier(max_pending_bytes=64 * 2**20)."
             )
         path = _files.private_directory(directory)
         self._shared = _Shared(path, threads, max_pending_bytes)
@@ -324,8 +327,10 @@ class DiskTier:
             if ticket.load is not None or ticket.error is not None:
                 return
         # Allocated in the caller's thread, whose malloc arena gets the memory back when the
-        # caller frees the tensor, and outside the lock (pinning may take a while).
-        buffer = _empty(ticket.nbytes, torch.device(device))
+        # caller frees the tensor, and outside the lock (pinning may take a while). A CPU
+        # target needs none: the file is mapped (see [4. get]).
+        device = torch.device(device)
+        buffer = None if device.type == "cpu" else _empty(ticket.nbytes, device)
         with shared.cond:
             if shared.closed or ticket.dropped or ticket.load is not None:
                 return  # closed, dropped or prefetched by another thread meanwhile
@@ -404,7 +409,10 @@ class DiskTier:
             start = shared.begin_locked("read")
         out: torch.Tensor | None = None
         try:
-            out = _files.read_file(ticket.path, _empty(ticket.nbytes, device))
+            if device.type == "cpu":
+                out = _map(ticket.path, ticket.nbytes, touch=False)
+            else:
+                out = _files.read_file(ticket.path, _empty(ticket.nbytes, device))
         except OSError as exc:
             raise _read_error(ticket, exc) from exc
         finally:
@@ -499,8 +507,25 @@ def _write(shared: _Shared, ticket: _DiskTicket) -> None:
             _files.unlink_quietly(ticket.path)
 
 
-def _load(shared: _Shared, ticket: _DiskTicket, buffer: torch.Tensor) -> torch.Tensor | None:
-    """Worker: read one ticket into *buffer* for a prefetch; ``None`` if nothing to read."""
+def _map(path: pathlib.Path, nbytes: int, touch: bool) -> torch.Tensor:
+    """The file's bytes as a CPU tensor mapped from it (private: writes to the tensor stay in
+    memory). Its pages come straight from the page cache, with no copy and no fresh memory to
+    fault in; the mapping outlives the file's removal. ``touch`` faults every page in now
+    (on a prefetching worker, so that backward finds them resident)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    try:
+        out = torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8)
+    except RuntimeError as exc:  # missing or short file, failed mmap
+        raise OSError(errno.EIO, f"cannot map {nbytes} bytes: {exc}", str(path)) from exc
+    if touch:
+        bytes(_files.byte_view(out)[::4096])  # one byte of every page
+    return out
+
+
+def _load(shared: _Shared, ticket: _DiskTicket, buffer: torch.Tensor | None) -> torch.Tensor | None:
+    """Worker: read one ticket into *buffer* (or map it, for the CPU) for a prefetch;
+    ``None`` if nothing to read."""
     out: torch.Tensor | None = None
     try:
         with shared.cond:
@@ -510,7 +535,10 @@ def _load(shared: _Shared, ticket: _DiskTicket, buffer: torch.Tensor) -> torch.T
                 return None
             start = shared.begin_locked("read")
         try:
-            out = _files.read_file(ticket.path, buffer)
+            if buffer is None:
+                out = _map(ticket.path, ticket.nbytes, touch=True)
+            else:
+                out = _files.read_file(ticket.path, buffer)
         finally:
             with shared.cond:
                 shared.end_locked("read", start, None if out is None else ticket.nbytes)
