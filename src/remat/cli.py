@@ -244,7 +244,10 @@ def _subprocess(request: dict[str, Any]) -> dict[str, Any]:
         [sys.executable, "-m", "remat.bench.measure", json.dumps(request)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # Frees of large tensors go back to the system, for strategies measured by RSS.
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+        if request["kind"] == "memory"
+        else {**os.environ, "PYTHONUNBUFFERED": "1"},
         check=False,
     )
     if done.returncode != 0:

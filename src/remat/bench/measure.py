@@ -80,6 +80,16 @@ def peak_step_bytes(step: Callable[[], Any], device: torch.device) -> int:
     return peak
 
 
+def peak_rss_bytes(step: Callable[[], Any]) -> int:
+    """Peak resident bytes of ``step`` above the resident set when it started (Linux; meant for
+    a process started with ``MALLOC_MMAP_THRESHOLD_=65536``, so that frees reach the system)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _proc_status_kib("VmRSS")
+    step()
+    return (_proc_status_kib("VmHWM") - base) * 1024
+
+
 def _prepared(workload: Workload, strategy: str, seed: int, device: torch.device) -> nn.Module:
     model = workload.model(seed).to(device)
     get_strategy(strategy).prepare(model, workload)
@@ -95,7 +105,11 @@ def memory(workload: Workload, strategy: str, seed: int, device: torch.device) -
     batch = _to(workload.batch(seed), device)
     training_step(model, workload, batch, seed)
     _zero_grads(model)
-    peak = peak_step_bytes(lambda: training_step(model, workload, batch, seed), device)
+    step = functools.partial(training_step, model, workload, batch, seed)
+    if device.type == "cpu" and get_strategy(strategy).memory_by_rss:
+        peak = peak_rss_bytes(step)
+    else:
+        peak = peak_step_bytes(step, device)
 
     plain = workload.model(seed).to(device)
     _zero_grads(model)

@@ -43,6 +43,9 @@ class Strategy:
     counterpart: str | None = None
     needs_chain: bool = False
     needs_accelerator: bool = False
+    # Memory by resident set instead of allocator events: on CPU, the disk tier frees tensors
+    # on its writer threads and maps what it reads, which the profiler's events do not show.
+    memory_by_rss: bool = False
 
     def unsupported(self, workload: Workload, device: str = "cpu") -> str | None:
         """Why this strategy cannot run on ``workload`` on ``device``, or None if it can."""
@@ -234,18 +237,21 @@ STRATEGIES: dict[str, Strategy] = {
             "remat.offload('disk'): every saved tensor in files",
             _offloaded("disk"),
             "none",
+            memory_by_rss=True,
         ),
         Strategy(
             "remat-block-disk",
             "remat region engine every block, block inputs in files",
             _then(_every(1, _remat_checkpoint), _offloaded("disk")),
             "remat-block",
+            memory_by_rss=True,
         ),
         Strategy(
             "remat-graph-mm-disk",
             "remat graph engine every block, matmul outputs in files, the rest recomputed",
             _graph(policies.offload_matmuls("disk")),
             "remat-graph-mm",
+            memory_by_rss=True,
         ),
     )
 }
