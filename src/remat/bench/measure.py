@@ -83,11 +83,10 @@ def peak_step_bytes(step: Callable[[], Any], device: torch.device) -> int:
 def peak_rss_bytes(step: Callable[[], Any]) -> int:
     """Peak resident bytes of ``step`` above the resident set when it started (Linux; meant for
     a process started with ``MALLOC_MMAP_THRESHOLD_=65536``, so that frees reach the system)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _proc_status_kib("VmRSS")
+    reset_peak_rss()
+    base = status_bytes("VmRSS")
     step()
-    return (_proc_status_kib("VmHWM") - base) * 1024
+    return status_bytes("VmHWM") - base
 
 
 def _prepared(workload: Workload, strategy: str, seed: int, device: torch.device) -> nn.Module:
@@ -276,6 +275,17 @@ def recording_overhead(workload: Workload, repeats: int = 300) -> float:
         recorded_s.append(time.perf_counter() - middle)
     extra = statistics.median(recorded_s) - statistics.median(plain_s)
     return 1e6 * extra / max(counter.count, 1)
+
+
+def status_bytes(field: str) -> int:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in bytes."""
+    return _proc_status_kib(field) * 1024
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's high-water mark of the resident set (``VmHWM``) to the current size."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _proc_status_kib(field: str) -> int:

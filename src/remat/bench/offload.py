@@ -32,20 +32,12 @@ from typing import Any
 import torch
 
 from ..workloads import get_workload
-from .measure import training_step
+from .measure import reset_peak_rss, status_bytes, training_step
 
 __all__: list[str] = []
 
 _MMAP_THRESHOLD = "65536"
 RSS_STRATEGIES = ("none", "offload-disk", "remat-block", "remat-block-disk")
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _zero(model: torch.nn.Module) -> None:
@@ -62,13 +54,12 @@ def _rss(request: dict[str, Any]) -> dict[str, Any]:
     batch = workload.batch(seed)
     training_step(model, workload, batch, seed)
     _zero(model)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_bytes("VmRSS")
+    reset_peak_rss()
+    before = status_bytes("VmRSS")
     start = time.perf_counter()
     training_step(model, workload, batch, seed)
     seconds = time.perf_counter() - start
-    peak = _status_bytes("VmHWM")
+    peak = status_bytes("VmHWM")
     return {"rss_before_bytes": before, "rss_peak_bytes": peak, "step_seconds": seconds}
 
 

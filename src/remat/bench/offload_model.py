@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..workloads import GPT
+from .measure import reset_peak_rss, status_bytes
 
 __all__: list[str] = []
 
@@ -78,18 +79,9 @@ def gpt_modules(gpt: GPT) -> list[nn.Module]:
 # -- one measurement, in this process ---------------------------------------------------------
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _reset_peak() -> bool:
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        reset_peak_rss()
     except OSError:
         return False
     return True
@@ -100,7 +92,7 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
     from ..workloads import get_workload
 
     torch.set_num_threads(int(request.get("threads") or torch.get_num_threads()))
-    baseline = _status_bytes("VmRSS")
+    baseline = status_bytes("VmRSS")
     workload = get_workload("gpt", request["size"])
     inputs, target = workload.batch(0)
     gpt = workload.model(0)
@@ -137,7 +129,7 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    build_peak = _status_bytes("VmHWM")
+    build_peak = status_bytes("VmHWM")
     reset = _reset_peak()
     seconds: list[float] = []
     for _ in range(int(request["steps"])):
@@ -149,7 +141,7 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
         "kind": request["kind"],
         "baseline_rss_bytes": baseline,
         "build_peak_rss_bytes": build_peak,
-        "peak_rss_bytes": _status_bytes("VmHWM"),
+        "peak_rss_bytes": status_bytes("VmHWM"),
         "peak_reset": reset,
         "param_bytes": param_bytes,
         "optimizer_state_bytes": 2 * param_bytes,  # AdamW: exp_avg and exp_avg_sq
