@@ -210,8 +210,9 @@ def measure(
     if offload_model:
         from .offload_model import measure as measure_offload_model
 
+        slices = 14 if size == "bench" else 3  # the bench GPT has 14 modules, the small 6
         result["offload_model"] = {
-            "offload": measure_offload_model("offload", size=size, steps=2),
+            "offload": measure_offload_model("offload", size=size, steps=2, slices=slices),
             "plain": measure_offload_model("plain", size=size, steps=2),
         }
     return result
