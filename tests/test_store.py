@@ -626,3 +626,43 @@ def test_a_full_disk_raises_in_forward_and_leaves_the_training_state_as_it_was(
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b)
     assert _files_in(disk) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in offload policies
+# ---------------------------------------------------------------------------------------------
+
+
+def test_offload_larger_than_moves_only_the_large_outputs(host: HostTier) -> None:
+    w_big = torch.randn(16, 256, requires_grad=True)  # x @ w_big: 64 x 256 floats, 64 KiB
+    w_small = torch.randn(256, 2, requires_grad=True)  # h @ w_small: 64 x 2 floats, 512 B
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = (x @ w_big).sin()  # sin saves its 64 KiB input
+        return (h @ w_small).exp().sum()  # exp saves its 512 B output
+
+    x = torch.randn(64, 16, requires_grad=True)
+    expected = torch.autograd.grad(f(x), (x, w_big, w_small))
+    policy = remat.policies.offload_larger_than(4096, "host")
+    before = host.stats.bytes_out
+    actual = torch.autograd.grad(remat.checkpoint(f, x, policy=policy), (x, w_big, w_small))
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual, strict=True))
+    # The mm output (64 KiB) and the sin output (64 KiB, saved by the second mm) went out; the
+    # 512-byte results stayed.
+    assert host.stats.bytes_out - before == 2 * 64 * 256 * 4
+
+
+def test_combinators_carry_offload_decisions() -> None:
+    D = Decision
+    aten_mm, aten_sin = aten.mm.default, aten.sin.default
+    ctx = OpContext()
+    offload_mm = remat.policies.offload_matmuls("disk")
+    assert offload_mm(ctx, aten_mm) is D.PREFER_OFFLOAD_DISK
+    assert offload_mm(ctx, aten_sin) is D.PREFER_RECOMPUTE
+    assert remat.policies.must(offload_mm)(ctx, aten_mm) is D.MUST_OFFLOAD_DISK
+    keep_sin = remat.policies.save_tagged("never")
+    both = remat.policies.save_if_any(keep_sin, offload_mm)
+    assert both(ctx, aten_mm) is D.PREFER_OFFLOAD_DISK  # nobody keeps it: offloaded
+    assert both(ctx, aten_sin) is D.PREFER_RECOMPUTE
+    keep_all = remat.policies.save_if_any(remat.policies.save_everything, offload_mm)
+    assert keep_all(ctx, aten_mm) is D.PREFER_SAVE  # kept beats offloaded
