@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,8 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from remat.bench.pipeline import _free_port
 
 BALANCES = {2: [3, 3], 4: [2, 1, 1, 2]}
 
@@ -122,13 +123,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _launch(world: int, out_dir: Path, limit_s: float = 240.0) -> list[list[dict[str, Any]]]:

@@ -56,6 +56,7 @@ from ._guard import WriteGuard
 from ._types import ContextFn
 from .errors import CheckpointError, RematError, did_you_mean
 from .policies import Policy
+from .store.scope import offload_hooks
 
 __all__ = ["RegionOptions", "checkpoint"]
 
@@ -495,8 +496,6 @@ def save_inputs(tensors: list[torch.Tensor], offload: bool) -> Any:
     """Save a region's tensor inputs through autograd, so that an enclosing region manages
     them (Rule 2 of [ Nested regions ]); returns the node that holds them. With ``offload``,
     those on an accelerator wait in the host tier (see NOTE [ Life of an offloaded tensor ])."""
-    from .store.scope import offload_hooks
-
     dummy = torch.empty(0, requires_grad=True)
     _state.state.saving_region_inputs = True
     try:

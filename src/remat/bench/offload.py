@@ -166,8 +166,8 @@ def _store_and_load(workload: Any, model: torch.nn.Module, batch: Any, seed: int
         plain_io.append(sequential_bandwidth(directory, nbytes))
     return {
         "isolated_bytes": nbytes,
-        "isolated_write_bytes_per_s": max(w for w, _ in tier_io),
-        "isolated_read_bytes_per_s": max(r for _, r in tier_io),
+        "isolated_tier_write_bytes_per_s": max(w for w, _ in tier_io),
+        "isolated_tier_read_bytes_per_s": max(r for _, r in tier_io),
         "isolated_plain_write_bytes_per_s": max(w for w, _ in plain_io),
         "isolated_plain_read_bytes_per_s": max(r for _, r in plain_io),
     }
@@ -222,6 +222,18 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _bandwidths(io: dict[str, Any], prefix: str) -> list[str]:
+    lines = []
+    for what in ("write", "read"):
+        tier = io[f"{prefix}tier_{what}_bytes_per_s"]
+        plain = io[f"{prefix}plain_{what}_bytes_per_s"]
+        lines.append(
+            f"    {what}: tier {tier / 1e9:.2f} GB/s, plain large file {plain / 1e9:.2f} GB/s, "
+            f"ratio {tier / plain:.2f}"
+        )
+    return lines
+
+
 def report(result: dict[str, Any]) -> str:
     """The figures as plain lines of text."""
     lines = [f"disk tier, gpt-{result['size']} training step (forward + backward), CPU:"]
@@ -243,22 +255,12 @@ def report(result: dict[str, Any]) -> str:
         f"{_mib(io['bytes_read_per_step'])} read, in {io['directory']}"
     )
     lines.append("  during the step (the I/O threads share the CPU with the step):")
-    for what in ("write", "read"):
-        tier, plain = io[f"tier_{what}_bytes_per_s"], io[f"plain_{what}_bytes_per_s"]
-        lines.append(
-            f"    {what}: tier {tier / 1e9:.2f} GB/s, plain large file {plain / 1e9:.2f} GB/s, "
-            f"ratio {tier / plain:.2f}"
-        )
+    lines += _bandwidths(io, "")
     lines.append(
         f"  the step's saved tensors alone ({_mib(io['isolated_bytes'])}, stored then loaded "
         "in reverse, nothing else running):"
     )
-    for what in ("write", "read"):
-        tier, plain = io[f"isolated_{what}_bytes_per_s"], io[f"isolated_plain_{what}_bytes_per_s"]
-        lines.append(
-            f"    {what}: tier {tier / 1e9:.2f} GB/s, plain large file {plain / 1e9:.2f} GB/s, "
-            f"ratio {tier / plain:.2f}"
-        )
+    lines += _bandwidths(io, "isolated_")
     lines.append(
         f"  step time: plain {io['plain_step_seconds']:.3f} s, offloaded "
         f"{io['offload_step_seconds']:.3f} s, ratio {io['time_ratio']:.2f} (median of rounds)"

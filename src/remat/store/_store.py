@@ -112,8 +112,9 @@ class Store:
         self.prefetch = prefetch
         self.stored_bytes = 0  # bytes in the tier now
         self._serial = 0
-        self._order: list[_Stored] = []  # alive, in order of saving
-        self._serials: list[int] = []
+        self._order: list[_Stored] = []  # alive, in order of saving (serials ascending)
+        # Tiers without ``takes`` (disk) take host bytes, from any device through the host.
+        self._tier_takes = getattr(tier, "takes", None)
         # storage address -> (weak storage, its stored bytes) while the storage is alive
         self._live: dict[int, tuple[weakref.ref[torch.UntypedStorage], _Stored]] = {}
         self._lock = threading.RLock()
@@ -127,8 +128,7 @@ class Store:
             return False
         if t.layout is not torch.strided or t.is_meta or t.device.type == "meta":
             return False
-        takes = getattr(self.tier, "takes", None)
-        return bool(takes(t.device)) if takes is not None else True
+        return self._tier_takes is None or bool(self._tier_takes(t.device))
 
     def pack(
         self, t: torch.Tensor, *, check_version: bool = True, version: int | None = None
@@ -156,7 +156,7 @@ class Store:
         # tracker, explain) must not see them.
         with _disable_current_modes():
             data = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-            if device.type != "cpu" and not _takes(self.tier, device):
+            if device.type != "cpu" and self._tier_takes is None:
                 data = data.cpu()  # tiers that take host bytes only (disk): a synchronous copy
         try:
             ticket = self.tier.put(data)
@@ -166,7 +166,6 @@ class Store:
         self._serial += 1
         stored = _Stored(self._serial, ticket, storage.nbytes(), device, version)
         self._order.append(stored)
-        self._serials.append(stored.serial)
         self.stored_bytes += stored.nbytes
         return stored
 
@@ -209,10 +208,13 @@ class Store:
     def _prefetch_before(self, stored: _Stored) -> None:
         if not self.prefetch:
             return
-        i = bisect.bisect_left(self._serials, stored.serial)
+        i = self._position(stored)
         for earlier in reversed(self._order[max(0, i - self.prefetch) : i]):
             if earlier.back is None or earlier.back() is None:
                 self.tier.prefetch(earlier.ticket, earlier.device)
+
+    def _position(self, stored: _Stored) -> int:
+        return bisect.bisect_left(self._order, stored.serial, key=lambda s: s.serial)
 
     def release(self, stored: _Stored) -> None:
         """One ``Saved`` of ``stored`` is gone; the last one drops the bytes (Step 5)."""
@@ -220,9 +222,9 @@ class Store:
             stored.users -= 1
             if stored.users > 0:
                 return
-            i = bisect.bisect_left(self._serials, stored.serial)
-            if i < len(self._serials) and self._serials[i] == stored.serial:
-                del self._serials[i], self._order[i]
+            i = self._position(stored)
+            if i < len(self._order) and self._order[i] is stored:
+                del self._order[i]
             self.stored_bytes -= stored.nbytes
             live = self._live.get(stored.key)
             if live is not None and live[1] is stored:  # a later save must store anew
@@ -247,8 +249,3 @@ class Store:
             with self._lock:
                 self._live.clear()
             raise
-
-
-def _takes(tier: Tier, device: torch.device) -> bool:
-    takes = getattr(tier, "takes", None)
-    return bool(takes(device)) if takes is not None else device.type == "cpu"

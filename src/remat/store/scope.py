@@ -81,9 +81,7 @@ def tiers(*, host: Tier | None = None, disk: Tier | None = None) -> Iterator[Non
         loss.backward()
     """
     for name, tier in (("host", host), ("disk", disk)):
-        if tier is not None and not all(
-            callable(getattr(tier, m, None)) for m in ("put", "get", "drop", "flush")
-        ):
+        if tier is not None and not _is_tier(tier):
             raise RematError(
                 f"remat.store.tiers: {name}= must be a tier (HostTier, DiskTier or an object "
                 f"with put/prefetch/get/drop/flush/close), got {type(tier).__name__}."
@@ -94,6 +92,10 @@ def tiers(*, host: Tier | None = None, disk: Tier | None = None) -> Iterator[Non
         yield
     finally:
         _chosen.tiers = previous
+
+
+def _is_tier(obj: object) -> bool:
+    return all(callable(getattr(obj, m, None)) for m in ("put", "prefetch", "get", "drop", "flush"))
 
 
 class Scope:
@@ -136,7 +138,7 @@ def offload(
         raise RematError(f"remat.offload: min_bytes must be an int >= 0, got {min_bytes!r}.")
     if isinstance(tier, str):
         store = store_for(tier_named(tier))
-    elif all(callable(getattr(tier, m, None)) for m in ("put", "get", "drop", "flush")):
+    elif _is_tier(tier):
         store = store_for(tier)
     else:
         raise RematError(
