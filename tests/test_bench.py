@@ -59,6 +59,7 @@ def test_times_reports_ratios_for_every_strategy() -> None:
     workload = get_workload("mlp", "small")
     result = measure.times(workload, ["remat-block"], 0, torch.device("cpu"), rounds=3)
     assert set(result["ratio"]) == {"none", "remat-block"} and result["ratio"]["none"] == 1.0
+    assert set(result["faults_per_step"]) == {"none", "remat-block"}
     assert result["used_rounds"] == 3 or result["contended_rounds"] > 0
 
 

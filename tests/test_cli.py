@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,33 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert data["rows"][1]["peak_bytes"] < data["rows"][0]["peak_bytes"]
     assert out_png.read_bytes()[:4] == b"\x89PNG"
     assert "remat-block" in out and "time vs torch" in out
+    assert data["allocator"] == "cached" and "minor page faults per step (cached allocator)" in out
+    assert all(r["faults_per_step"] >= 0 for r in data["rows"])
+
+
+def test_step_times_run_with_glibc_thresholds_fixed_unless_asked_for_the_system_allocator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    envs: dict[tuple[str, str], dict[str, str]] = {}
+
+    def run(argv: list[str], *, env: dict[str, str], **kwargs: object) -> object:
+        request = json.loads(argv[-1])
+        envs[(request["kind"], request.get("allocator"))] = env
+        return subprocess.CompletedProcess(argv, 0, stdout="{}\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    base = {"workload": "mlp", "size": "small", "device": "cpu"}
+    for allocator in ("cached", "system"):
+        cli._subprocess({**base, "kind": "time", "allocator": allocator})
+    cli._subprocess({**base, "kind": "memory", "allocator": "cached"})
+    cached = envs[("time", "cached")]
+    assert cached["MALLOC_MMAP_THRESHOLD_"] == str(2**30)
+    assert cached["MALLOC_TRIM_THRESHOLD_"] == str(2**34)
+    assert envs[("time", "system")].get("MALLOC_TRIM_THRESHOLD_") == os.environ.get(
+        "MALLOC_TRIM_THRESHOLD_"
+    )
+    # Memory is measured with frees going back to the system, whatever the timing allocator.
+    assert envs[("memory", "cached")]["MALLOC_MMAP_THRESHOLD_"] == "65536"
 
 
 BAD: list[tuple[list[str], str]] = [

@@ -421,6 +421,25 @@ def test_random_ops_replay_bit_for_bit() -> None:
     assert ops["rand"] == 1 and ops["randn"] == 1 and ops["rand_like"] == 1
 
 
+def test_blank_results_replay_as_fresh_tensors_with_the_recorded_layout() -> None:
+    # Dropout's mask starts as empty_like(x), filled in place by bernoulli_. The replay makes
+    # the blank tensor directly, with the layout empty_like gave it (here a transposed one,
+    # which preserve_format keeps), instead of running empty_like on a meta stand-in.
+    layouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = x.exp().t()
+        mask = torch.empty_like(h).bernoulli_(0.5)
+        blank = h.new_empty((3, 5)).fill_(2.0)
+        layouts.append((tuple(mask.shape), mask.stride()))
+        return (h * mask).sin().sum() + (blank * x[:3, :5]).cos().sum()
+
+    ops = run_both(fn, _leaf(16, 8), policy=policies.recompute_everything)
+    assert layouts == [((8, 16), (1, 8))] * 2
+    assert ops["empty_like"] == 0 and ops["new_empty"] == 0 and ops["empty_strided"] == 2
+    assert ops["bernoulli_"] == 1 and ops["fill_"] == 1
+
+
 def test_random_op_with_an_explicit_generator_replays_from_that_generator() -> None:
     generator = torch.Generator()
 

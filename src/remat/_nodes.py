@@ -54,6 +54,14 @@ class _Meta:
     def stand_in(self) -> torch.Tensor:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
 
+    def blank(self) -> torch.Tensor:
+        """Uninitialized memory with this layout, on the real device."""
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+
+
+# Ops whose result is uninitialized memory laid out from their arguments: a replay makes a
+# blank tensor with the recorded result's layout instead (see ``Node.blank``).
+_BLANK = frozenset({"empty_like", "new_empty", "new_empty_strided"})
 
 # Ops that read their first tensor argument for its metadata only.
 _METADATA_ONLY = frozenset(
@@ -96,6 +104,9 @@ class Node:
     feeds: bool = False  # a later random op starts where this one leaves the generator
     kept: dict[Key, Any] = field(default_factory=dict)  # _Held, or Saved when offloaded
     refs: tuple[Ref, ...] = ()  # every reference among the arguments, repeats included
+    # The result's layout, for an op in ``_BLANK``: its replay allocates that layout directly
+    # (running ``empty_like`` on a meta stand-in goes through torch's Python reference).
+    blank: _Meta | None = None
 
 
 class _Packed:

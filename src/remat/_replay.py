@@ -164,7 +164,7 @@ class Replay:
                 return self._materialize(ref, again)
             finally:
                 self._end(again)
-        with _replaying():
+        with _Replaying():
             for index in self._to_run(ref, ran):
                 ran.add(index)
                 self._run(index, self.nodes[index], task, cache)
@@ -235,26 +235,12 @@ class Replay:
                 return value.tensor.clone() if position in written else value.tensor
             return value
 
-        args = tuple(
-            resolve_arg(a, i) if isinstance(a, _RECORDED) else _map_recorded(resolve_arg, a)
-            for i, a in enumerate(node.args)
-        )
-        if node.args and isinstance(node.args[0], _Meta) and node.kwargs.get("device") is None:
-            # The op made its result where its argument lived, not on the meta stand-in.
-            node_kwargs_device = {"device": node.args[0].device}
+        args: tuple[Any, ...] = ()
+        kwargs: dict[str, Any] = {}
+        if node.blank is not None:
+            out: Any = node.blank.blank()
         else:
-            node_kwargs_device = {}
-        kwargs = {
-            k: resolve_arg(v, k) if isinstance(v, _RECORDED) else _map_recorded(resolve_arg, v)
-            for k, v in node.kwargs.items()
-        }
-        states = node.rng
-        if node.after is not None and states is not None:
-            states = self.rng_after[task].pop(node.after)
-        with _replay_rng(states):
-            out = node.op(*args, **kwargs, **node_kwargs_device)
-            if node.feeds and states is not None:
-                self.rng_after.setdefault(task, {})[index] = [(g, g.get_state()) for g, _ in states]
+            args, kwargs, out = self._call(index, node, task, resolve_arg)
         results = out if isinstance(out, (tuple, list)) else (out,)
         for k, result in enumerate(results):
             if isinstance(result, torch.Tensor):
@@ -271,22 +257,60 @@ class Replay:
         for r in [r for r in cache if r.node == index and uses.get(r, 0) <= 0]:
             del cache[r]
 
+    def _call(
+        self, index: int, node: Node, task: int, resolve_arg: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """Run ``node``'s op on its resolved arguments, with the generator state it drew from."""
+        args = tuple(
+            [
+                resolve_arg(a, i) if isinstance(a, _RECORDED) else _map_recorded(resolve_arg, a)
+                for i, a in enumerate(node.args)
+            ]
+        )
+        if node.args and isinstance(node.args[0], _Meta) and node.kwargs.get("device") is None:
+            # The op made its result where its argument lived, not on the meta stand-in.
+            node_kwargs_device = {"device": node.args[0].device}
+        else:
+            node_kwargs_device = {}
+        kwargs = {
+            k: resolve_arg(v, k) if isinstance(v, _RECORDED) else _map_recorded(resolve_arg, v)
+            for k, v in node.kwargs.items()
+        }
+        states = node.rng
+        if states is None:
+            return args, kwargs, node.op(*args, **kwargs, **node_kwargs_device)
+        if node.after is not None:
+            states = self.rng_after[task].pop(node.after)
+        with _replay_rng(states):
+            out = node.op(*args, **kwargs, **node_kwargs_device)
+            if node.feeds:
+                self.rng_after.setdefault(task, {})[index] = [(g, g.get_state()) for g, _ in states]
+        return args, kwargs, out
 
-@contextlib.contextmanager
-def _replaying() -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.no_grad())
+
+class _Replaying:
+    """Replays run without autograd and without autocast: they rebuild values recorded as they
+    were computed."""
+
+    __slots__ = ("autocast", "grad")
+
+    def __enter__(self) -> None:
+        self.grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        self.autocast: contextlib.ExitStack | None = None
         for device_type in ("cpu", "cuda"):
             if torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-        yield
+                self.autocast = self.autocast or contextlib.ExitStack()
+                self.autocast.enter_context(torch.autocast(device_type, enabled=False))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.autocast is not None:
+            self.autocast.close()
+        torch.set_grad_enabled(self.grad)
 
 
 @contextlib.contextmanager
-def _replay_rng(states: list[tuple[Any, torch.Tensor | None]] | None) -> Iterator[None]:
-    if states is None:
-        yield
-        return
+def _replay_rng(states: list[tuple[Any, torch.Tensor | None]]) -> Iterator[None]:
     current = [(g, g.get_state()) for g, _ in states]
     try:
         for generator, state in states:

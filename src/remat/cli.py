@@ -39,6 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=7, help="timed rounds (default: 7)")
     bench.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--allocator",
+        choices=("cached", "system"),
+        default="cached",
+        help="CPU step times: 'cached' (default) fixes glibc's mmap and trim thresholds so "
+        "that freed memory stays with the process, as it does with the CUDA caching allocator, "
+        "and no step pays for fresh pages that an earlier step of another strategy gave back; "
+        "'system' keeps glibc's dynamic thresholds",
+    )
     bench.add_argument("--json", type=Path, help="JSON output (default: bench-out/NAME.json)")
     bench.add_argument("--plot", type=Path, help="PNG output (default: bench-out/NAME.png)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -122,6 +131,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     base = {"workload": args.workload, "size": args.size, "hf": args.hf, "seed": args.seed}
     base["device"] = args.device
+    base["allocator"] = args.allocator
     result = _run(base, strategies, args.rounds, workload, name, not args.no_progress)
 
     from rich.console import Console
@@ -135,6 +145,8 @@ def _bench(args: argparse.Namespace) -> int:
             f"graph engine recording overhead: {result.recording_us_per_op:.1f} us per ATen op "
             "(first block of the small size, forward)"
         )
+    faults = ", ".join(f"{r.strategy} {r.faults_per_step:,.0f}" for r in result.rows)
+    print(f"minor page faults per step ({result.allocator} allocator): {faults}")
     if result.contended_rounds:
         print(
             f"note: other processes competed for the CPU in {result.contended_rounds} of "
@@ -216,6 +228,7 @@ def _run(
             grads_equal=memory[s]["grads_equal"],
             counterpart=_counterpart(s, names),
             counterpart_time_ratio=timing["pairwise"].get(f"{s}/{_counterpart(s, names)}"),
+            faults_per_step=timing["faults_per_step"][s],
         )
         for s in names
     ]
@@ -229,6 +242,7 @@ def _run(
         rows=rows,
         pairwise_time=timing["pairwise"],
         recording_us_per_op=timing.get("recording_us_per_op"),
+        allocator=base["allocator"],
     )
 
 
@@ -239,15 +253,27 @@ def _counterpart(name: str, names: list[str]) -> str | None:
     return other if other in names else None
 
 
+# glibc settings for the CPU step-time process under ``--allocator cached``. Fixed thresholds
+# turn off glibc's dynamic ones: allocations up to 1 GiB come from the heap, and the heap is never
+# trimmed, so after the warm-up steps no step takes fresh pages. With the dynamic thresholds the
+# number of pages a step takes depends on the strategies that ran before it in the process (on
+# the bench GPT, from none to 130,000 per step for the same strategy), and zeroing them costs
+# more than what tells strategies apart.
+_CACHED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+
+
 def _subprocess(request: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if request["kind"] == "memory":
+        # Frees of large tensors go back to the system, for strategies measured by RSS.
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    elif request["kind"] == "time" and request.get("allocator") == "cached":
+        env.update(_CACHED_ALLOCATOR if request.get("device", "cpu") == "cpu" else {})
     done = subprocess.run(
         [sys.executable, "-m", "remat.bench.measure", json.dumps(request)],
         capture_output=True,
         text=True,
-        # Frees of large tensors go back to the system, for strategies measured by RSS.
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-        if request["kind"] == "memory"
-        else {**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=env,
         check=False,
     )
     if done.returncode != 0:

@@ -44,10 +44,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import _state
-from ._aten import cached_op_info, op_info
+from ._aten import op_info
 from ._aten import storage_key as _storage
 from ._dispatch import EagerMode
 from ._nodes import (
+    _BLANK,
     _METADATA_ONLY,
     Node,
     Ref,
@@ -131,13 +132,13 @@ class Graph(Replay):
     def arg(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        entry = self.lookup(value)
-        if entry is not None and entry.version == value._version:
-            if isinstance(entry.ref, Ref):
-                self._refs.append(entry.ref)
-            return entry.ref
-        if entry is not None:  # stale
-            return self.hold(value.detach())
+        entry = self.current.get(int(value._cdata))
+        if entry is not None and entry.tensor() is value:
+            if entry.version == value._version:
+                if type(entry.ref) is Ref:
+                    self._refs.append(entry.ref)
+                return entry.ref
+            return self.hold(value.detach())  # stale
         external = _External(value, value._version)
         self.externals.setdefault(_key(value), []).append(external)
         return external
@@ -145,18 +146,27 @@ class Graph(Replay):
     def record(
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        info = cached_op_info().get(func) or op_info(func)
-        facts = _FACTS.get(func) or _learn(func)
+        facts = _FACTS.get(id(func)) or _learn(func)
         refs = self._refs = []
-        node_args = _map(self.arg, args)
-        node_kwargs = {k: _map(self.arg, v) for k, v in kwargs.items()} if kwargs else {}
+        arg = self.arg
+        node_args = tuple(
+            [
+                arg(a)
+                if isinstance(a, torch.Tensor)
+                else _map(arg, a)
+                if isinstance(a, (tuple, list))
+                else a
+                for a in args
+            ]
+        )
+        node_kwargs = {k: _map(arg, v) for k, v in kwargs.items()} if kwargs else {}
         if facts.metadata_only and isinstance(args[0], torch.Tensor):
             like = args[0]
             meta = _Meta(tuple(like.shape), tuple(like.stride()), like.dtype, like.device)
             node_args = (meta, *node_args[1:])
             refs = list(_refs_in((node_args, node_kwargs)))
         # Writes to external tensors run on snapshots, in forward and in replay alike.
-        for position, name in info.writes:
+        for position, name in facts.writes:
             target = args[position] if position < len(args) else kwargs.get(name)
             if isinstance(target, torch.Tensor):
                 recorded = node_args[position] if position < len(args) else node_kwargs[name]
@@ -178,18 +188,23 @@ class Graph(Replay):
         index = len(self.nodes)
         module = self.modules[-1]
         decision = self._decide(func, args, kwargs, out, module, facts.must_save)
-        node = Node(func, node_args, node_kwargs, module, decision, info.writes, rng)
+        node = Node(func, node_args, node_kwargs, module, decision, facts.writes, rng)
         node.refs = tuple(refs)
+        if facts.blank and type(out) is torch.Tensor and not kwargs.get("pin_memory"):
+            node.blank = _Meta(tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
         self.recent.append((index, args, kwargs))
         self.nodes.append(node)
-        if type(out) is torch.Tensor and not info.writes:  # the common case: one new result
-            self._bind(out, Ref(index, 0), node, False)
+        if type(out) is torch.Tensor and not facts.writes:  # the common case: one new result
+            ref = Ref(index, 0)
+            self.current[int(out._cdata)] = _Entry(ref, out._version, weakref.ref(out))
+            if not decision.recompute:
+                node.kept[0] = self.hold(out.detach())
             return out
         # Autograd bumps the version of each written tensor after this returns: bind the
         # written states at the version they will have when the next op reads them.
         written = {
             _key(t): position
-            for position, name in info.writes
+            for position, name in facts.writes
             if isinstance(
                 t := args[position] if position < len(args) else kwargs.get(name), torch.Tensor
             )
@@ -203,7 +218,7 @@ class Graph(Replay):
                 for j, t in enumerate(result):
                     if isinstance(t, torch.Tensor):
                         self._bind(t, Ref(index, ("l", k, j)), node, _key(t) in written)
-        for position, name in info.writes:
+        for position, name in facts.writes:
             target = args[position] if position < len(args) else kwargs.get(name)
             if (
                 isinstance(target, torch.Tensor)
@@ -258,7 +273,8 @@ class Graph(Replay):
         ctx = OpContext(module=module, in_attention=self.in_attention > 0, outputs=(func, out))
         if len(self.policies) == 1:
             policy = self.policies[0]
-            decision = as_decision(policy(ctx, func, *args, **kwargs), policy, func)
+            result = policy(ctx, func, *args, **kwargs)
+            decision = result if type(result) is Decision else as_decision(result, policy, func)
         else:
             decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
             decision = resolve(decisions, func, module)
@@ -354,17 +370,24 @@ class Graph(Replay):
 
 
 class _OpFacts(NamedTuple):
+    op: torch._ops.OpOverload  # held, so that its id, the key below, stays its own
+    writes: tuple[tuple[int, str], ...]
     metadata_only: bool
+    blank: bool
     random: bool
     must_save: str | None
 
 
-_FACTS: dict[torch._ops.OpOverload, _OpFacts] = {}
+# Keyed by ``id(op)``: an OpOverload hashes in Python, an int in C, and this lookup runs per op.
+_FACTS: dict[int, _OpFacts] = {}
 
 
 def _learn(func: torch._ops.OpOverload) -> _OpFacts:
-    facts = _FACTS[func] = _OpFacts(
+    facts = _FACTS[id(func)] = _OpFacts(
+        op=func,
+        writes=op_info(func).writes,
         metadata_only=func.overloadpacket.__name__ in _METADATA_ONLY,
+        blank=func.overloadpacket.__name__ in _BLANK,
         random=torch.Tag.nondeterministic_seeded in func.tags,
         must_save=must_save_reason(func),
     )

@@ -16,7 +16,10 @@ a plain model from the same seed and checks that loss and every gradient are bit
 times one step of each strategy, in an order that rotates from round to round, and each
 strategy's ratio is its step time over the plain step of the same round; the median over rounds
 is reported. CPU time that other processes used during a step (from ``/proc/stat``) marks the
-round as contended; contended rounds are left out while enough clean ones remain.
+round as contended; contended rounds are left out while enough clean ones remain. The minor page
+faults of each step are counted too: on CPU, a step that takes fresh pages from the system pays
+for zeroing them, and how many it takes depends on what glibc kept from the steps before it,
+which is why ``remat bench`` runs this request with glibc's thresholds fixed (``cli.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -154,10 +158,16 @@ def _adjacent(names: list[str]) -> list[str]:
     return order
 
 
-def timed_step(step: Callable[[], Any], device: torch.device) -> tuple[float, bool]:
-    """Wall seconds of one step, and whether other processes competed for the CPU during it."""
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed_step(step: Callable[[], Any], device: torch.device) -> tuple[float, bool, int]:
+    """Wall seconds of one step, whether other processes competed for the CPU during it, and
+    the minor page faults the process took in it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    faults = _minor_faults()
     busy, own, start = _busy_seconds(), time.process_time(), time.perf_counter()
     step()
     if device.type == "cuda":
@@ -165,7 +175,8 @@ def timed_step(step: Callable[[], Any], device: torch.device) -> tuple[float, bo
     wall = time.perf_counter() - start
     others = (_busy_seconds() - busy) - (time.process_time() - own)
     # /proc/stat counts in clock ticks (10 ms): below two ticks a reading is quantisation.
-    return wall, others > max(_CONTENDED * wall, 2 / os.sysconf("SC_CLK_TCK"))
+    contended = others > max(_CONTENDED * wall, 2 / os.sysconf("SC_CLK_TCK"))
+    return wall, contended, _minor_faults() - faults
 
 
 def times(
@@ -179,6 +190,7 @@ def times(
             training_step(model, workload, batch, seed)
             _zero_grads(model)
     per_round: list[dict[str, float]] = []
+    faults: dict[str, list[int]] = {name: [] for name in names}
     contended: list[bool] = []
     base = _adjacent(names)
     for r in range(rounds):
@@ -191,10 +203,11 @@ def times(
         seconds: dict[str, float] = {}
         busy = False
         for name in order:
-            wall, other = timed_step(
+            wall, other, taken = timed_step(
                 functools.partial(training_step, models[name], workload, batch, seed), device
             )
             _zero_grads(models[name])
+            faults[name].append(taken)
             seconds[name] = wall
             busy = busy or other
         per_round.append(seconds)
@@ -207,6 +220,7 @@ def times(
         "used_rounds": len(used),
         "seconds": {n: statistics.median(s[n] for s in used) for n in names},
         "ratio": {n: statistics.median(s[n] / s["none"] for s in used) for n in names},
+        "faults_per_step": {n: statistics.median(faults[n]) for n in names},
         "pairwise": {
             f"{a}/{b}": statistics.median(s[a] / s[b] for s in used)
             for a in names

@@ -29,6 +29,7 @@ class Row:
     grads_equal: bool
     counterpart: str | None = None
     counterpart_time_ratio: float | None = None
+    faults_per_step: float = 0.0  # minor page faults of the process per timed step (median)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Result:
     rows: list[Row]
     pairwise_time: dict[str, float]
     recording_us_per_op: float | None = None
+    allocator: str = "cached"  # see ``remat bench --allocator``
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
