@@ -149,16 +149,7 @@ class Graph(Replay):
         facts = _FACTS.get(id(func)) or _learn(func)
         refs = self._refs = []
         arg = self.arg
-        node_args = tuple(
-            [
-                arg(a)
-                if isinstance(a, torch.Tensor)
-                else _map(arg, a)
-                if isinstance(a, (tuple, list))
-                else a
-                for a in args
-            ]
-        )
+        node_args = _map(arg, args)
         node_kwargs = {k: _map(arg, v) for k, v in kwargs.items()} if kwargs else {}
         if facts.metadata_only and isinstance(args[0], torch.Tensor):
             like = args[0]
