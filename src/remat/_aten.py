@@ -37,9 +37,12 @@ class OpInfo:
     # For each result, whether it is a new tensor (not an alias of an argument).
     fresh: tuple[bool, ...]
     any_fresh: bool
+    op: torch._ops.OpOverload  # held, so that its id, the cache key, stays its own
 
 
-_cache: dict[torch._ops.OpOverload, OpInfo] = {}
+# Keyed by ``id(op)``: an OpOverload hashes in Python, an int in C, and dispatch modes look an
+# op up here once per op they see.
+_cache: dict[int, OpInfo] = {}
 
 
 def storage_key(t: torch.Tensor) -> int | None:
@@ -55,15 +58,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def op_info(op: torch._ops.OpOverload) -> OpInfo:
-    info = _cache.get(op)
+    info = _cache.get(id(op))
     if info is None:
-        info = _cache[op] = _read_schema(op)
+        info = _cache[id(op)] = _read_schema(op)
     return info
-
-
-def cached_op_info() -> dict[torch._ops.OpOverload, OpInfo]:
-    """The cache behind :func:`op_info`, for hot paths that look up before calling it."""
-    return _cache
 
 
 def _read_schema(op: torch._ops.OpOverload) -> OpInfo:
@@ -76,4 +74,4 @@ def _read_schema(op: torch._ops.OpOverload) -> OpInfo:
     )
     fresh_alias = schema.name in FRESH_ALIASES
     fresh = tuple(ret.alias_info is None or fresh_alias for ret in schema.returns)
-    return OpInfo(writes, fresh, any(fresh))
+    return OpInfo(writes, fresh, any(fresh), op)

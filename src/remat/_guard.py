@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ._aten import cached_op_info, op_info
+from ._aten import op_info
 from ._aten import storage_key as _storage_key
 from ._dispatch import EagerMode
 
@@ -42,7 +42,6 @@ class WriteGuard(EagerMode):
     def __init__(self) -> None:
         super().__init__()
         self._fresh: set[int] = set()
-        self._info = cached_op_info()
         self.redirected = 0
 
     def __torch_dispatch__(
@@ -54,7 +53,7 @@ class WriteGuard(EagerMode):
     ) -> Any:
         if kwargs is None:
             kwargs = {}
-        info = self._info.get(func) or op_info(func)
+        info = op_info(func)
         if info.writes:
             args, kwargs = self._redirect(info.writes, args, kwargs)
         out = func(*args, **kwargs)

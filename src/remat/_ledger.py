@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import _state
-from ._aten import FRESH_ALIASES, cached_op_info, op_info
+from ._aten import FRESH_ALIASES, op_info
 from ._dispatch import EagerMode
 
 __all__: list[str] = []
@@ -291,7 +291,6 @@ class _AllocationMode(EagerMode):
     def __init__(self, ledger: _Ledger) -> None:
         super().__init__()
         self.ledger = ledger
-        self._info = cached_op_info()
         self._names: dict[torch._ops.OpOverload, str] = {}
 
     def __torch_dispatch__(
@@ -311,7 +310,7 @@ class _AllocationMode(EagerMode):
         name = self._names.get(func)
         if name is None:
             name = self._names[func] = _op_name(func)
-        info = self._info.get(func) or op_info(func)
+        info = op_info(func)
         inputs: set[int] | None = None
         for t in results:
             storage = _storage(t)

@@ -54,7 +54,7 @@ class _Meta:
     def stand_in(self) -> torch.Tensor:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
 
-    def blank(self) -> torch.Tensor:
+    def empty(self) -> torch.Tensor:
         """Uninitialized memory with this layout, on the real device."""
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
 

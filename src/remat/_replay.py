@@ -202,6 +202,30 @@ class Replay:
 
     def _run(self, index: int, node: Node, task: int, cache: dict[Ref, torch.Tensor]) -> None:
         uses = self.uses[task]
+        args, kwargs, out = self._call(index, node, task)
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        for k, result in enumerate(results):
+            if isinstance(result, torch.Tensor):
+                cache[Ref(index, k)] = result
+            elif isinstance(result, (tuple, list)):
+                for j, t in enumerate(result):
+                    cache[Ref(index, ("l", k, j))] = t
+        for position, name in node.writes:
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(target, torch.Tensor):
+                cache[Ref(index, ("w", position))] = target
+        for a in node.refs:
+            self._use(a, task)
+        for r in [r for r in cache if r.node == index and uses.get(r, 0) <= 0]:
+            del cache[r]
+
+    def _call(
+        self, index: int, node: Node, task: int
+    ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """Run ``node``'s op with the generator state it drew from; its resolved arguments (what
+        it wrote) and its result."""
+        if node.blank is not None:
+            return (), {}, node.blank.empty()
         written: set[int | str] = {p for p, _ in node.writes} | {n for _, n in node.writes}
 
         def resolve_arg(value: Any, position: int | str | None = None) -> Any:
@@ -235,32 +259,6 @@ class Replay:
                 return value.tensor.clone() if position in written else value.tensor
             return value
 
-        args: tuple[Any, ...] = ()
-        kwargs: dict[str, Any] = {}
-        if node.blank is not None:
-            out: Any = node.blank.blank()
-        else:
-            args, kwargs, out = self._call(index, node, task, resolve_arg)
-        results = out if isinstance(out, (tuple, list)) else (out,)
-        for k, result in enumerate(results):
-            if isinstance(result, torch.Tensor):
-                cache[Ref(index, k)] = result
-            elif isinstance(result, (tuple, list)):
-                for j, t in enumerate(result):
-                    cache[Ref(index, ("l", k, j))] = t
-        for position, name in node.writes:
-            target = args[position] if position < len(args) else kwargs.get(name)
-            if isinstance(target, torch.Tensor):
-                cache[Ref(index, ("w", position))] = target
-        for a in node.refs:
-            self._use(a, task)
-        for r in [r for r in cache if r.node == index and uses.get(r, 0) <= 0]:
-            del cache[r]
-
-    def _call(
-        self, index: int, node: Node, task: int, resolve_arg: Any
-    ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-        """Run ``node``'s op on its resolved arguments, with the generator state it drew from."""
         args = tuple(
             [
                 resolve_arg(a, i) if isinstance(a, _RECORDED) else _map_recorded(resolve_arg, a)

@@ -36,7 +36,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _state
-from ._aten import cached_op_info, op_info
+from ._aten import op_info
 from ._aten import storage_key as _key
 from ._dispatch import EagerMode
 from .errors import RematError
@@ -207,7 +207,6 @@ class _Producers(EagerMode):
         super().__init__()
         self.modules = modules
         self.producer = _StorageMap()
-        self._info = cached_op_info()
 
     def __torch_dispatch__(
         self,
@@ -218,7 +217,7 @@ class _Producers(EagerMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        info = self._info.get(func) or op_info(func)
+        info = op_info(func)
         name = func.overloadpacket.__name__
         for position, arg_name in info.writes:
             target = args[position] if position < len(args) else kwargs.get(arg_name)

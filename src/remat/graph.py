@@ -186,10 +186,7 @@ class Graph(Replay):
         self.recent.append((index, args, kwargs))
         self.nodes.append(node)
         if type(out) is torch.Tensor and not facts.writes:  # the common case: one new result
-            ref = Ref(index, 0)
-            self.current[int(out._cdata)] = _Entry(ref, out._version, weakref.ref(out))
-            if not decision.recompute:
-                node.kept[0] = self.hold(out.detach())
+            self._bind(out, Ref(index, 0), node, False)
             return out
         # Autograd bumps the version of each written tensor after this returns: bind the
         # written states at the version they will have when the next op reads them.
@@ -264,8 +261,7 @@ class Graph(Replay):
         ctx = OpContext(module=module, in_attention=self.in_attention > 0, outputs=(func, out))
         if len(self.policies) == 1:
             policy = self.policies[0]
-            result = policy(ctx, func, *args, **kwargs)
-            decision = result if type(result) is Decision else as_decision(result, policy, func)
+            decision = as_decision(policy(ctx, func, *args, **kwargs), policy, func)
         else:
             decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
             decision = resolve(decisions, func, module)
