@@ -391,6 +391,38 @@ def test_write_error_surfaces_from_next_put(
         tier.drop(ticket)
 
 
+def test_a_reported_write_error_waits_for_the_writes_still_running(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The 100-byte write fails at once; the 200-byte one is still running when the next put
+    # reports the first failure. The report waits for it and covers both, so the retry that
+    # follows (disk space back) meets no failure left over from the attempt that failed.
+    release = threading.Event()
+
+    def full(fd: int, view: memoryview) -> None:
+        if len(view) == 200:
+            assert release.wait(5)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_files, "write_all", full)
+    with DiskTier(tmp_path, threads=2) as tier:
+        tier.put(_bytes(100))
+        tier.put(_bytes(200))
+        _wait_for(lambda: tier.stats.failed_writes == 1)
+        timer = threading.Timer(0.2, release.set)
+        timer.start()
+        with pytest.raises(
+            RematError, match=r"write 100 bytes.*ENOSPC.*1 more write\(s\), 200 bytes in all"
+        ):
+            tier.put(_bytes(300))
+        timer.join()
+        monkeypatch.undo()
+        data = _bytes(400)
+        assert torch.equal(tier.get(tier.put(data), CPU), data)
+        tier.flush()
+        assert tier.stats.failed_writes == 2  # the put that raised queued nothing
+
+
 def test_write_error_surfaces_from_get_of_the_failed_ticket(
     tier: DiskTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:

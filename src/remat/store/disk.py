@@ -39,8 +39,10 @@ state (``_Shared``), never the tier itself, so a forgotten tier is collected at 
    drop before the write never leaves a file.
 6. **error**: a write that raises (``ENOSPC``, ``EDQUOT``, ``EFBIG``...) removes its partial
    file and records a :class:`~remat.RematError` naming the directory, the bytes, the free
-   space and the fix. The next ``put``, ``flush`` or ``get`` raises it, exactly once (several
-   failures are reported together); a ``get`` of the failed ticket itself always raises.
+   space and the fix. The next ``put``, ``flush`` or ``get`` raises it, exactly once. Before
+   raising, it waits for the writes still running, so that one report covers every failure so
+   far (several are reported together) and none surfaces later in an unrelated call, such as
+   the retry of the step that failed; a ``get`` of the failed ticket itself always raises.
 7. **close**: waits for running I/O, cancels queued I/O, removes every file and the directory.
    ``with DiskTier() as tier:`` closes on an exception too; a tier that is never closed is
    closed by its finalizer when it is collected, or at interpreter exit.
@@ -171,6 +173,7 @@ class _Shared:
     def raise_errors_locked(self) -> None:
         if not self.errors:
             return
+        self.cond.wait_for(lambda: self.writes_in_flight == 0 or self.closed)  # see [6. error]
         (first, _), rest = self.errors[0], self.errors[1:]
         self.errors.clear()
         if not rest:
