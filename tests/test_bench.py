@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -61,6 +62,39 @@ def test_times_reports_ratios_for_every_strategy() -> None:
     assert set(result["ratio"]) == {"none", "remat-block"} and result["ratio"]["none"] == 1.0
     assert set(result["faults_per_step"]) == {"none", "remat-block"}
     assert result["used_rounds"] == 3 or result["contended_rounds"] > 0
+    # The control (a second plain model) is timed in every round but is no strategy.
+    control = result["control"]
+    assert 0 < control["low"] <= control["ratio"] <= control["high"]
+    assert measure.CONTROL not in result["ratio"] and measure.CONTROL not in result["pairwise"]
+
+
+def test_the_timing_control_is_a_second_plain_model_timed_next_to_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prepared: dict[int, str] = {}  # id(model) -> the strategy it was prepared with
+    stepped: list[str] = []
+    prepare, step = measure._prepared, measure.training_step
+
+    def _prepared(workload: Any, strategy: str, *args: Any) -> torch.nn.Module:
+        model = prepare(workload, strategy, *args)
+        copies = sum(s.startswith(f"{strategy}#") for s in prepared.values())
+        prepared[id(model)] = f"{strategy}#{copies}"
+        return model
+
+    def training_step(model: torch.nn.Module, *args: Any) -> torch.Tensor:
+        stepped.append(prepared[id(model)])
+        return step(model, *args)
+
+    monkeypatch.setattr(measure, "_prepared", _prepared)
+    monkeypatch.setattr(measure, "training_step", training_step)
+    rounds = 4
+    measure.times(get_workload("mlp", "small"), ["remat-block"], 0, torch.device("cpu"), rounds)
+    assert sorted(prepared.values()) == ["none#0", "none#1", "remat-block#0"]
+    timed = stepped[-3 * rounds :]  # after two warm-up steps of each model
+    for r in range(rounds):
+        order = timed[3 * r : 3 * r + 3]
+        assert sorted(order) == ["none#0", "none#1", "remat-block#0"]
+        assert abs(order.index("none#0") - order.index("none#1")) == 1  # side by side
 
 
 def test_unknown_strategy_suggests_a_name() -> None:

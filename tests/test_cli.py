@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from remat import cli
+from remat.bench import measure
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -42,6 +43,12 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "remat-block" in out and "time vs torch" in out
     assert data["allocator"] == "cached" and "minor page faults per step (cached allocator)" in out
     assert all(r["faults_per_step"] >= 0 for r in data["rows"])
+    low, high = data["control_time_range"]
+    assert 0 < low <= data["control_time_ratio"] <= high
+    assert "timing control: the plain step against a second plain model" in out
+    rounds = data["round_seconds"]
+    timed = {"none", "torch-block", "remat-block", measure.CONTROL}
+    assert len(rounds) == 2 and all(set(r) == timed for r in rounds)
 
 
 def test_step_times_run_with_glibc_thresholds_fixed_unless_asked_for_the_system_allocator(

@@ -145,6 +145,13 @@ def _bench(args: argparse.Namespace) -> int:
             f"graph engine recording overhead: {result.recording_us_per_op:.1f} us per ATen op "
             "(first block of the small size, forward)"
         )
+    if result.control_time_ratio is not None and result.control_time_range is not None:
+        low, high = result.control_time_range
+        print(
+            "timing control: the plain step against a second plain model timed next to it, "
+            f"{result.control_time_ratio:.3f} (rounds {low:.3f}-{high:.3f}); time ratios no "
+            "farther from 1 than this one are within this run's noise"
+        )
     faults = ", ".join(f"{r.strategy} {r.faults_per_step:,.0f}" for r in result.rows)
     print(f"minor page faults per step ({result.allocator} allocator): {faults}")
     if result.contended_rounds:
@@ -243,6 +250,9 @@ def _run(
         pairwise_time=timing["pairwise"],
         recording_us_per_op=timing.get("recording_us_per_op"),
         allocator=base["allocator"],
+        control_time_ratio=timing["control"]["ratio"],
+        control_time_range=(timing["control"]["low"], timing["control"]["high"]),
+        round_seconds=timing["round_seconds"],
     )
 
 

@@ -158,6 +158,10 @@ def _adjacent(names: list[str]) -> list[str]:
     return order
 
 
+# The key of the control model in ``times``: no strategy's name (names have no spaces).
+CONTROL = "none (second copy)"
+
+
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -184,15 +188,20 @@ def times(
 ) -> dict[str, Any]:
     names = ["none", *[s for s in strategies if s != "none"]]
     models = {name: _prepared(workload, name, seed, device) for name in names}
+    # The control: a second plain model, timed next to the first in every round. Its ratio to
+    # the first is what two runs of the same work read here; a ratio between strategies
+    # nearer 1 than the control's spread does not tell them apart.
+    models[CONTROL] = _prepared(workload, "none", seed, device)
     batch = _to(workload.batch(seed), device)
     for model in models.values():
         for _ in range(2):
             training_step(model, workload, batch, seed)
             _zero_grads(model)
     per_round: list[dict[str, float]] = []
-    faults: dict[str, list[int]] = {name: [] for name in names}
     contended: list[bool] = []
     base = _adjacent(names)
+    base.insert(base.index("none") + 1, CONTROL)
+    faults: dict[str, list[int]] = {name: [] for name in base}
     for r in range(rounds):
         # Each strategy runs next to the one it is compared with, so that both see the same
         # state of the process's heap; the order turns and reverses from round to round.
@@ -214,6 +223,7 @@ def times(
         contended.append(busy)
     clean = [s for s, c in zip(per_round, contended, strict=True) if not c]
     used = clean if len(clean) >= max(3, rounds // 2) else per_round
+    control = [s[CONTROL] / s["none"] for s in used]
     return {
         "rounds": rounds,
         "contended_rounds": sum(contended),
@@ -226,6 +236,12 @@ def times(
             for a in names
             for b in names
             if a != b and a != "none" and b != "none"
+        },
+        "round_seconds": per_round,  # every round's step times, the control's included
+        "control": {
+            "ratio": statistics.median(control),
+            "low": min(control),
+            "high": max(control),
         },
     }
 

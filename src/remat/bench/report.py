@@ -44,6 +44,11 @@ class Result:
     pairwise_time: dict[str, float]
     recording_us_per_op: float | None = None
     allocator: str = "cached"  # see ``remat bench --allocator``
+    # The plain step against a second plain model timed next to it in every round: the median
+    # ratio, and its lowest and highest round (see ``measure.times``).
+    control_time_ratio: float | None = None
+    control_time_range: tuple[float, float] | None = None
+    round_seconds: list[dict[str, float]] | None = None  # each round's step times, by strategy
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
