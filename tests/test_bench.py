@@ -68,6 +68,22 @@ def test_times_reports_ratios_for_every_strategy() -> None:
     assert measure.CONTROL not in result["ratio"] and measure.CONTROL not in result["pairwise"]
 
 
+def test_rounds_pooled_from_several_processes_give_medians_over_all_of_them() -> None:
+    def round_(plain: float, block: float, contended: bool = False) -> dict[str, Any]:
+        seconds = {"none": plain, measure.CONTROL: plain * 1.01, "remat-block": block}
+        return {"seconds": seconds, "faults": dict.fromkeys(seconds, 0), "contended": contended}
+
+    first = [round_(1.0, 2.0), round_(1.0, 2.2), round_(1.0, 9.0, contended=True)]
+    second = [round_(2.0, 3.0), round_(2.0, 3.0), round_(2.0, 3.2)]
+    pooled = measure.summarize(["none", "remat-block"], first + second)
+    assert pooled["rounds"] == 6 and pooled["contended_rounds"] == 1 and pooled["used_rounds"] == 5
+    # Per-round ratios 2.0, 2.2, 1.5, 1.5, 1.6 (the contended 9.0 left out): median 1.6.
+    assert pooled["ratio"]["remat-block"] == pytest.approx(1.6)
+    assert pooled["seconds"]["remat-block"] == pytest.approx(3.0)
+    assert pooled["control"]["ratio"] == pytest.approx(1.01)
+    assert pooled["timed_rounds"] == first + second
+
+
 def test_the_timing_control_is_a_second_plain_model_timed_next_to_the_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

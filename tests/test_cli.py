@@ -28,7 +28,8 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         "bench",
         "--workload", "gpt",
         "--strategies", "torch-block,remat-block",
-        "--rounds", "2",
+        "--rounds", "1",
+        "--processes", "2",
         "--json", str(out_json),
         "--plot", str(out_png),
         "--no-progress",
@@ -48,7 +49,10 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "timing control: the plain step against a second plain model" in out
     rounds = data["round_seconds"]
     timed = {"none", "torch-block", "remat-block", measure.CONTROL}
+    # One round from each of two timing processes, pooled.
+    assert data["processes"] == 2 and data["rounds"] == 2
     assert len(rounds) == 2 and all(set(r) == timed for r in rounds)
+    assert "2 rounds in 2 timing processes" in out
 
 
 def test_step_times_run_with_glibc_thresholds_fixed_unless_asked_for_the_system_allocator(
@@ -80,6 +84,7 @@ BAD: list[tuple[list[str], str]] = [
     (["--workload", "gtp"], "unknown workload 'gtp' (did you mean 'gpt'?)"),
     (["--size", "huge"], "unknown size 'huge'"),
     (["--strategies", "none,remat-blok"], "unknown strategy 'remat-blok'"),
+    (["--processes", "0"], "--processes must be at least 1, got 0"),
     (["--workload", "unet", "--strategies", "torch-seq-3"], "feed each other directly"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--device", "tpu"], "--device must be cpu or cuda"),

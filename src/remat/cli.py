@@ -37,6 +37,14 @@ def _parser() -> argparse.ArgumentParser:
         "--strategies", help="comma-separated strategy names (default: all registered)"
     )
     bench.add_argument("--rounds", type=int, default=7, help="timed rounds (default: 7)")
+    bench.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="timing processes, each timing --rounds rounds; ratios are medians over the rounds "
+        "of all of them (default: 1). Where each model's memory lands differs from process to "
+        "process and moves step times by a few percent; more processes average that out",
+    )
     bench.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
@@ -113,6 +121,8 @@ def _bench(args: argparse.Namespace) -> int:
                 print(f"skipping {entry.name}: it {reason}")
     if args.rounds < 1:
         raise RematError(f"remat bench: --rounds must be at least 1, got {args.rounds}.")
+    if args.processes < 1:
+        raise RematError(f"remat bench: --processes must be at least 1, got {args.processes}.")
     if args.device not in ("cpu", "cuda"):
         raise RematError(f"remat bench: --device must be cpu or cuda, got {args.device!r}.")
     if args.device == "cuda":
@@ -132,7 +142,9 @@ def _bench(args: argparse.Namespace) -> int:
     base = {"workload": args.workload, "size": args.size, "hf": args.hf, "seed": args.seed}
     base["device"] = args.device
     base["allocator"] = args.allocator
-    result = _run(base, strategies, args.rounds, workload, name, not args.no_progress)
+    result = _run(
+        base, strategies, args.rounds, args.processes, workload, name, not args.no_progress
+    )
 
     from rich.console import Console
 
@@ -149,8 +161,9 @@ def _bench(args: argparse.Namespace) -> int:
         low, high = result.control_time_range
         print(
             "timing control: the plain step against a second plain model timed next to it, "
-            f"{result.control_time_ratio:.3f} (rounds {low:.3f}-{high:.3f}); time ratios no "
-            "farther from 1 than this one are within this run's noise"
+            f"{result.control_time_ratio:.3f} (rounds {low:.3f}-{high:.3f}; {result.rounds} rounds "
+            f"in {result.processes} timing process{'es' if result.processes > 1 else ''}); time "
+            "ratios no farther from 1 than this one are within this run's noise"
         )
     faults = ", ".join(f"{r.strategy} {r.faults_per_step:,.0f}" for r in result.rows)
     print(f"minor page faults per step ({result.allocator} allocator): {faults}")
@@ -175,6 +188,8 @@ def _pipeline(args: argparse.Namespace) -> int:
         )
     if args.rounds < 1:
         raise RematError(f"remat bench: --rounds must be at least 1, got {args.rounds}.")
+    if args.processes < 1:
+        raise RematError(f"remat bench: --processes must be at least 1, got {args.processes}.")
     request = {"size": args.size, "rounds": args.rounds, "seed": args.seed}
     request["device"] = args.device
     result = pipeline.measure_in_subprocess(request)
@@ -199,12 +214,14 @@ def _run(
     base: dict[str, Any],
     strategies: list[str],
     rounds: int,
+    processes: int,
     workload: Any,
     name: str,
     progress: bool,
 ) -> Any:
     from rich.progress import Progress
 
+    from .bench import measure
     from .bench.report import Result, Row
     from .bench.strategies import get_strategy
 
@@ -216,8 +233,15 @@ def _run(
             bar.update(task, description=f"memory: {s}")
             memory[s] = _subprocess({**base, "kind": "memory", "strategy": s})
             bar.advance(task)
-        bar.update(task, description=f"step times: {rounds} rounds x {len(names)} strategies")
-        timing = _subprocess({**base, "kind": "time", "strategies": names, "rounds": rounds})
+        bar.update(
+            task,
+            description=f"step times: {processes} x {rounds} rounds x {len(names)} strategies",
+        )
+        request = {**base, "kind": "time", "strategies": names, "rounds": rounds}
+        runs = [_subprocess(request) for _ in range(processes)]
+        timing = runs[0]
+        if processes > 1:
+            timing = measure.summarize(names, [r for run in runs for r in run["timed_rounds"]])
         if any(s.startswith("remat-graph") for s in names):
             # On the small size of the workload: the engine's per-op cost, not kernel noise.
             small = {**base, "size": "small", "kind": "overhead"}
@@ -252,7 +276,8 @@ def _run(
         allocator=base["allocator"],
         control_time_ratio=timing["control"]["ratio"],
         control_time_range=(timing["control"]["low"], timing["control"]["high"]),
-        round_seconds=timing["round_seconds"],
+        processes=processes,
+        round_seconds=[r["seconds"] for r in timing["timed_rounds"]],
     )
 
 

@@ -197,11 +197,9 @@ def times(
         for _ in range(2):
             training_step(model, workload, batch, seed)
             _zero_grads(model)
-    per_round: list[dict[str, float]] = []
-    contended: list[bool] = []
+    timed: list[dict[str, Any]] = []
     base = _adjacent(names)
     base.insert(base.index("none") + 1, CONTROL)
-    faults: dict[str, list[int]] = {name: [] for name in base}
     for r in range(rounds):
         # Each strategy runs next to the one it is compared with, so that both see the same
         # state of the process's heap; the order turns and reverses from round to round.
@@ -210,39 +208,48 @@ def times(
         if r % 2:
             order.reverse()
         seconds: dict[str, float] = {}
+        faults: dict[str, int] = {}
         busy = False
         for name in order:
             wall, other, taken = timed_step(
                 functools.partial(training_step, models[name], workload, batch, seed), device
             )
             _zero_grads(models[name])
-            faults[name].append(taken)
+            faults[name] = taken
             seconds[name] = wall
             busy = busy or other
-        per_round.append(seconds)
-        contended.append(busy)
-    clean = [s for s, c in zip(per_round, contended, strict=True) if not c]
-    used = clean if len(clean) >= max(3, rounds // 2) else per_round
-    control = [s[CONTROL] / s["none"] for s in used]
+        timed.append({"seconds": seconds, "faults": faults, "contended": busy})
+    return summarize(names, timed)
+
+
+def summarize(names: list[str], timed: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over timed rounds, from one process or pooled from several (``remat bench
+    --processes``). Each round is ``{"seconds": {name: s}, "faults": {name: n}, "contended":
+    bool}`` and times every strategy of ``names`` and the control. Rounds in which other
+    processes competed for the CPU are left out, unless that would leave fewer than half."""
+    clean = [t for t in timed if not t["contended"]]
+    used = clean if len(clean) >= max(3, len(timed) // 2) else timed
+    per_round = [t["seconds"] for t in used]
+    control = [s[CONTROL] / s["none"] for s in per_round]
     return {
-        "rounds": rounds,
-        "contended_rounds": sum(contended),
+        "rounds": len(timed),
+        "contended_rounds": sum(t["contended"] for t in timed),
         "used_rounds": len(used),
-        "seconds": {n: statistics.median(s[n] for s in used) for n in names},
-        "ratio": {n: statistics.median(s[n] / s["none"] for s in used) for n in names},
-        "faults_per_step": {n: statistics.median(faults[n]) for n in names},
+        "seconds": {n: statistics.median(s[n] for s in per_round) for n in names},
+        "ratio": {n: statistics.median(s[n] / s["none"] for s in per_round) for n in names},
+        "faults_per_step": {n: statistics.median(t["faults"][n] for t in timed) for n in names},
         "pairwise": {
-            f"{a}/{b}": statistics.median(s[a] / s[b] for s in used)
+            f"{a}/{b}": statistics.median(s[a] / s[b] for s in per_round)
             for a in names
             for b in names
             if a != b and a != "none" and b != "none"
         },
-        "round_seconds": per_round,  # every round's step times, the control's included
         "control": {
             "ratio": statistics.median(control),
             "low": min(control),
             "high": max(control),
         },
+        "timed_rounds": timed,
     }
 
 

@@ -48,6 +48,7 @@ class Result:
     # ratio, and its lowest and highest round (see ``measure.times``).
     control_time_ratio: float | None = None
     control_time_range: tuple[float, float] | None = None
+    processes: int = 1  # timing processes whose rounds were pooled
     round_seconds: list[dict[str, float]] | None = None  # each round's step times, by strategy
 
     def to_json(self) -> dict[str, Any]:
