@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -441,6 +442,51 @@ def test_tag_on_a_tensor_from_outside_the_region_changes_nothing() -> None:
 
     ops = run_both(fn, _leaf(16), policy=policies.save_tagged("b"))
     assert (ops["sin"], ops["exp"]) == (0, 1)
+
+
+def test_a_tag_asks_the_policies_with_its_ops_arguments_as_far_as_they_live() -> None:
+    asked: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        if ctx.tags:
+            asked.append((op, args))
+        return Decision.PREFER_RECOMPUTE
+
+    inputs: dict[str, torch.Tensor] = {}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        a = x.exp()
+        b = a.sin()
+        for _ in range(12):  # many ops between an op and the tag that names its result
+            b.cos()
+        remat.tag(b, "b")
+        c = x.cos()
+        d = c.tanh()
+        del c  # tanh saves its result, not c: a plain run frees c here
+        remat.tag(d, "d")
+        inputs["a"] = a
+        return (b + d).sum()
+
+    remat.checkpoint(fn, _leaf(8), policy=policy).backward()
+    assert [op for op, _ in asked] == [torch.ops.aten.sin.default, torch.ops.aten.tanh.default]
+    assert asked[0][1][0] is inputs["a"]  # alive: the very tensor sin read
+    assert asked[1][1] == (None,)  # gone: the records keep no tensor a plain run frees
+
+
+def test_the_records_hold_no_intermediate_longer_than_a_plain_run() -> None:
+    freed: list[bool] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        a = x.mul(2.0)
+        b = a.add(1.0)  # neither mul by a number nor add saves a tensor for backward
+        gone = weakref.ref(a)
+        del a
+        freed.append(gone() is None)
+        return b.sin().sum()
+
+    remat.checkpoint(fn, _leaf(8), policy=policies.recompute_everything).backward()
+    fn(_leaf(8))  # and in a plain run, for comparison
+    assert freed == [True, True]
 
 
 def test_save_if_any_and_must_in_a_region() -> None:

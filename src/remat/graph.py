@@ -32,7 +32,6 @@ tensor ].
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import threading
 import weakref
@@ -59,6 +58,7 @@ from ._nodes import (
     _key,
     _leaves,
     _map,
+    _map_recorded,
     _Meta,
     _Packed,
     _refs_in,
@@ -97,10 +97,6 @@ class Graph(Replay):
         self.in_attention = 0
         self.externals: dict[int, list[_External]] = {}
         self._refs: list[Ref] = []
-        # Arguments of the last few ops, for remat.tag, which follows the op it names.
-        self.recent: collections.deque[tuple[int, tuple[Any, ...], dict[str, Any]]] = (
-            collections.deque(maxlen=8)
-        )
         self.inputs_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self.rng_after: dict[int, dict[int, list[tuple[Any, torch.Tensor | None]]]] = {}
         self.paused = False  # the engine's own bookkeeping ops are not the region's
@@ -183,7 +179,6 @@ class Graph(Replay):
         node.refs = tuple(refs)
         if facts.blank and type(out) is torch.Tensor and not kwargs.get("pin_memory"):
             node.blank = _Meta(tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
-        self.recent.append((index, args, kwargs))
         self.nodes.append(node)
         if type(out) is torch.Tensor and not facts.writes:  # the common case: one new result
             self._bind(out, Ref(index, 0), node, False)
@@ -283,8 +278,7 @@ class Graph(Replay):
             return
         node = self.nodes[entry.ref.node]
         ctx = OpContext(module=node.module, tags=frozenset({name}))
-        call = next((c for c in self.recent if c[0] == entry.ref.node), None)
-        args, kwargs = (call[1], call[2]) if call is not None else ((), {})
+        args, kwargs = self._live_arguments(node)
         decisions = [
             as_decision(p(ctx, node.op, *args, **kwargs), p, node.op) for p in self.policies
         ]
@@ -292,6 +286,24 @@ class Graph(Replay):
         if not decision.recompute and node.decision.recompute:
             node.decision = decision
             node.kept[entry.ref.key] = self.hold(t.detach())
+
+    def _live_arguments(self, node: Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments ``node``'s op was called with, from its records: the tensors still
+        alive in the state the op read, ``None`` for those gone or written since. The records
+        hold no tensor of the region that a plain run would have freed."""
+        live: dict[Any, torch.Tensor | None] = {e.ref: e.tensor() for e in self.current.values()}
+
+        def argument(value: Any) -> Any:
+            if isinstance(value, (Ref, _Input)):
+                return live.get(value)
+            if isinstance(value, (_External, _Held)):
+                return value.tensor
+            if isinstance(value, _Meta):
+                return value.stand_in()
+            return value
+
+        args = tuple(_map_recorded(argument, a) for a in node.args)
+        return args, {k: _map_recorded(argument, v) for k, v in node.kwargs.items()}
 
     # -- packing -------------------------------------------------------------------------------
 
@@ -350,7 +362,6 @@ class Graph(Replay):
         self.current = {}
         self.held = {}
         self.externals = {}
-        self.recent.clear()
         for store in self.stores:  # a failed write raises here, before backward
             store.flush()
         self.stores = set()
@@ -521,7 +532,8 @@ def tag(t: torch.Tensor, name: str) -> torch.Tensor:
     """Name ``t`` for policies such as ``remat.policies.save_tagged(name)``; returns ``t``.
 
     Inside a graph-engine region the policies are asked again about the op that produced ``t``,
-    now with ``ctx.tags == {name}``; outside one, nothing happens.
+    now with ``ctx.tags == {name}`` and the op's arguments as far as they are still alive
+    (``None`` for a tensor freed, or written in place, since); outside one, nothing happens.
     """
     if not isinstance(t, torch.Tensor) or not isinstance(name, str):
         raise RematError(
