@@ -473,6 +473,30 @@ def test_a_tag_asks_the_policies_with_its_ops_arguments_as_far_as_they_live() ->
     assert asked[1][1] == (None,)  # gone: the records keep no tensor a plain run frees
 
 
+def test_a_tag_inside_attention_is_asked_about_as_inside_attention() -> None:
+    seen: list[bool] = []
+
+    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        if ctx.tags:
+            seen.append(ctx.in_attention)
+        return policies.recompute_attention_core(ctx, op, *args, **kwargs)
+
+    k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+
+    def fn(q: torch.Tensor) -> torch.Tensor:
+        return remat.tag(F.scaled_dot_product_attention(q, k, v), "attention").sum()
+
+    def untagged(q: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v).sum()
+
+    # The output was made inside scaled_dot_product_attention: asked again with its tag, the
+    # policy still says recompute, so the region keeps no more than without the tag (the
+    # generator state of the attention op).
+    q = _leaf(1, 2, 8, 4)
+    assert _held_by_forward(fn, q, policy=policy) == _held_by_forward(untagged, q, policy=policy)
+    assert seen == [True]
+
+
 def test_the_records_hold_no_intermediate_longer_than_a_plain_run() -> None:
     freed: list[bool] = []
 

@@ -107,6 +107,7 @@ class Node:
     # The result's layout, for an op in ``_BLANK``: its replay allocates that layout directly
     # (running ``empty_like`` on a meta stand-in goes through torch's Python reference).
     blank: _Meta | None = None
+    in_attention: bool = False  # ran inside ``scaled_dot_product_attention`` (``OpContext``)
 
 
 class _Packed:

@@ -176,6 +176,7 @@ class Graph(Replay):
         module = self.modules[-1]
         decision = self._decide(func, args, kwargs, out, module, facts.must_save)
         node = Node(func, node_args, node_kwargs, module, decision, facts.writes, rng)
+        node.in_attention = self.in_attention > 0
         node.refs = tuple(refs)
         if facts.blank and type(out) is torch.Tensor and not kwargs.get("pin_memory"):
             node.blank = _Meta(tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
@@ -277,7 +278,7 @@ class Graph(Replay):
         if entry is None or not isinstance(entry.ref, Ref):
             return
         node = self.nodes[entry.ref.node]
-        ctx = OpContext(module=node.module, tags=frozenset({name}))
+        ctx = OpContext(module=node.module, tags=frozenset({name}), in_attention=node.in_attention)
         args, kwargs = self._live_arguments(node)
         decisions = [
             as_decision(p(ctx, node.op, *args, **kwargs), p, node.op) for p in self.policies
