@@ -92,6 +92,7 @@ BAD: list[tuple[list[str], str]] = [
     (["--strategies", "offload-host"], "offload-host moves tensors from an accelerator"),
     (["--offload", "--workload", "mlp"], "--offload: measures the gpt workload"),
     (["--offload", "--rounds", "0"], "--offload: --rounds must be at least 1"),
+    (["--pipeline", "--processes", "2"], "--pipeline and --offload measure in one process"),
 ]
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,6 +86,16 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.strategies import STRATEGIES, get_strategy
     from .workloads import WORKLOAD_NAMES, get_workload
 
+    mode = " --offload" if args.offload else " --pipeline" if args.pipeline else ""
+    if args.rounds < 1:
+        raise RematError(f"remat bench{mode}: --rounds must be at least 1, got {args.rounds}.")
+    if args.processes < 1:
+        raise RematError(f"remat bench: --processes must be at least 1, got {args.processes}.")
+    if args.processes > 1 and (args.pipeline or args.offload):
+        raise RematError(
+            "remat bench: --processes pools the step times of the strategy table; --pipeline "
+            "and --offload measure in one process each. Drop --processes."
+        )
     if args.pipeline:
         return _pipeline(args)
     if args.offload:
@@ -119,10 +127,6 @@ def _bench(args: argparse.Namespace) -> int:
                 strategies.append(entry.name)
             else:
                 print(f"skipping {entry.name}: it {reason}")
-    if args.rounds < 1:
-        raise RematError(f"remat bench: --rounds must be at least 1, got {args.rounds}.")
-    if args.processes < 1:
-        raise RematError(f"remat bench: --processes must be at least 1, got {args.processes}.")
     if args.device not in ("cpu", "cuda"):
         raise RematError(f"remat bench: --device must be cpu or cuda, got {args.device!r}.")
     if args.device == "cuda":
@@ -186,10 +190,6 @@ def _pipeline(args: argparse.Namespace) -> int:
             "remat bench --pipeline: measures the unet workload (skip connections across "
             f"stages); drop --workload {args.workload if args.hf is None else '--hf'}."
         )
-    if args.rounds < 1:
-        raise RematError(f"remat bench: --rounds must be at least 1, got {args.rounds}.")
-    if args.processes < 1:
-        raise RematError(f"remat bench: --processes must be at least 1, got {args.processes}.")
     request = {"size": args.size, "rounds": args.rounds, "seed": args.seed}
     request["device"] = args.device
     result = pipeline.measure_in_subprocess(request)
@@ -238,10 +238,8 @@ def _run(
             description=f"step times: {processes} x {rounds} rounds x {len(names)} strategies",
         )
         request = {**base, "kind": "time", "strategies": names, "rounds": rounds}
-        runs = [_subprocess(request) for _ in range(processes)]
-        timing = runs[0]
-        if processes > 1:
-            timing = measure.summarize(names, [r for run in runs for r in run["timed_rounds"]])
+        timed = [r for _ in range(processes) for r in _subprocess(request)["timed_rounds"]]
+        timing = measure.summarize(names, timed)
         if any(s.startswith("remat-graph") for s in names):
             # On the small size of the workload: the engine's per-op cost, not kernel noise.
             small = {**base, "size": "small", "kind": "overhead"}
@@ -298,25 +296,15 @@ _CACHED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESH
 
 
 def _subprocess(request: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    from .bench._child import run_child
+
+    env: dict[str, str] = {}
     if request["kind"] == "memory":
         # Frees of large tensors go back to the system, for strategies measured by RSS.
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     elif request["kind"] == "time" and request.get("allocator") == "cached":
         env.update(_CACHED_ALLOCATOR if request.get("device", "cpu") == "cpu" else {})
-    done = subprocess.run(
-        [sys.executable, "-m", "remat.bench.measure", json.dumps(request)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-        raise RematError(f"remat bench: a measurement failed ({request['kind']}):\n{tail}")
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return run_child("remat.bench.measure", request, f"the {request['kind']} measurement", env)
 
 
 if __name__ == "__main__":
@@ -324,14 +312,11 @@ if __name__ == "__main__":
 
 
 def _offload(args: argparse.Namespace) -> int:
-    import json
 
     from .bench import offload, report
 
     if args.workload != "gpt" or args.hf is not None:
         raise RematError("remat bench --offload: measures the gpt workload; drop --workload/--hf.")
-    if args.rounds < 1:
-        raise RematError(f"remat bench --offload: --rounds must be at least 1, got {args.rounds}.")
     json_path = args.json or Path("bench-out") / f"offload-gpt-{args.size}.json"
     report.check_writable(json_path)
     result = offload.measure(args.size, args.seed, args.rounds)

@@ -292,12 +292,18 @@ class Graph(Replay):
         """The arguments ``node``'s op was called with, from its records: the tensors still
         alive in the state the op read, ``None`` for those gone or written since. The records
         hold no tensor of the region that a plain run would have freed."""
-        live: dict[Any, torch.Tensor | None] = {e.ref: e.tensor() for e in self.current.values()}
+        live: dict[Any, torch.Tensor] = {}
+        for entry in self.current.values():
+            t = entry.tensor()
+            if t is not None and t._version == entry.version:
+                live[entry.ref] = t
 
         def argument(value: Any) -> Any:
             if isinstance(value, (Ref, _Input)):
                 return live.get(value)
-            if isinstance(value, (_External, _Held)):
+            if isinstance(value, _External):
+                return value.snapshot if value.snapshot is not None else value.tensor
+            if isinstance(value, _Held):
                 return value.tensor
             if isinstance(value, _Meta):
                 return value.stand_in()

@@ -22,9 +22,7 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -32,6 +30,7 @@ from typing import Any
 import torch
 
 from ..workloads import get_workload
+from ._child import run_child
 from .measure import reset_peak_rss, status_bytes, training_step
 
 __all__: list[str] = []
@@ -181,20 +180,8 @@ def _touch(t: torch.Tensor) -> None:
 
 
 def _spawn(request: dict[str, Any], mmap_threshold: bool) -> dict[str, Any]:
-    env = dict(os.environ)
-    if mmap_threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD
-    done = subprocess.run(
-        [sys.executable, "-m", "remat.bench.offload", json.dumps(request)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"remat bench --offload: {request['kind']} failed:\n{done.stderr}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    env = {"MALLOC_MMAP_THRESHOLD_": _MMAP_THRESHOLD} if mmap_threshold else {}
+    return run_child("remat.bench.offload", request, f"--offload {request['kind']}", env)
 
 
 def measure(

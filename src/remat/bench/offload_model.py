@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -35,6 +33,7 @@ import torch
 from torch import nn
 
 from ..workloads import GPT
+from ._child import run_child
 from .measure import reset_peak_rss, status_bytes
 
 __all__: list[str] = []
@@ -183,20 +182,10 @@ def measure(
         "directory": directory,
         "threads": threads,
     }
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": _MMAP_THRESHOLD}
-    done = subprocess.run(
-        [sys.executable, "-m", "remat.bench.offload_model", "--child", json.dumps(request)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
+    env = {"MALLOC_MMAP_THRESHOLD_": _MMAP_THRESHOLD}
+    return run_child(
+        "remat.bench.offload_model", request, f"the {kind} measurement", env, ["--child"]
     )
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"remat: the {kind} measurement failed (exit {done.returncode}):\n{done.stderr}"
-        )
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
 
 
 def _mib(n: int) -> str:

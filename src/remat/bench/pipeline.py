@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from ..errors import RematError
 from ..workloads import Workload, get_workload
+from ._child import run_child
 from .measure import peak_step_bytes
 
 __all__: list[str] = []
@@ -330,20 +331,7 @@ def measure_in_subprocess(request: dict[str, Any]) -> PipelineResult:
     """:func:`run` in a fresh process (``python -m remat.bench.pipeline '<json>'``), so that
     the stage processes it spawns start from an importable main module and the peaks are not
     disturbed by this process's heap."""
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-m", "remat.bench.pipeline", json.dumps(request)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-        raise RematError(f"remat bench --pipeline: the measurement failed:\n{tail}")
-    line = [ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1]
-    return from_json(json.loads(line))
+    return from_json(run_child("remat.bench.pipeline", request, "--pipeline"))
 
 
 if __name__ == "__main__":
