@@ -497,6 +497,70 @@ def test_a_tag_inside_attention_is_asked_about_as_inside_attention() -> None:
     assert seen == [True]
 
 
+def _reader(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    return Decision.PREFER_RECOMPUTE if ctx.in_attention else Decision.PREFER_SAVE
+
+
+@pytest.mark.parametrize(
+    ("policy", "tracked"),
+    [
+        (policies.save_matmuls, False),
+        (policies.recompute_everything, False),
+        (policies.save_everything, False),
+        (policies.save_tagged("h"), False),
+        (policies.save_smaller_than(64), False),
+        (policies.offload_matmuls("host"), False),
+        (policies.must(policies.save_matmuls), False),
+        (policies.save_if_any(policies.save_matmuls, policies.save_tagged("h")), False),
+        (policies.recompute_attention_core, True),
+        (_reader, True),  # any policy remat does not know may read ctx.in_attention
+        (policies.must(policies.recompute_attention_core), True),
+        (policies.save_if_any(policies.save_matmuls, _reader), True),
+    ],
+)
+def test_only_policies_that_may_read_in_attention_pay_for_tracking_it(
+    policy: Any, tracked: bool
+) -> None:
+    # Tracking ``ctx.in_attention`` takes a TorchFunctionMode, which every torch call of the
+    # region goes through; the built-ins that never read it run without one.
+    outside = torch._C._len_torch_function_stack()
+    inside: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        inside.append(torch._C._len_torch_function_stack())
+        return x.sin().sum()
+
+    remat.checkpoint(fn, _leaf(4), policy=policy).backward()
+    assert inside == [outside + tracked]
+    assert policies.reads_attention(policy) is tracked
+
+
+def test_a_nested_policy_that_reads_in_attention_is_told_inside_a_region_that_does_not() -> None:
+    seen: list[tuple[str, bool]] = []
+
+    def reader(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        seen.append((op.overloadpacket.__name__, ctx.in_attention))
+        return _reader(ctx, op, *args, **kwargs)
+
+    k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+
+    def fn(q: torch.Tensor) -> torch.Tensor:
+        with remat.region(policy=reader):
+            a = F.scaled_dot_product_attention(q, k, v)
+        b = q.exp()  # the reader is not on the stack here
+        with remat.region(policy=reader):  # tracked again after the first nested region ended
+            c = F.scaled_dot_product_attention(q, k, v)
+        return (a + b + c).sum()
+
+    q = _leaf(1, 2, 8, 4)
+    plain_q = q.detach().clone().requires_grad_()
+    fn(plain_q).backward()
+    remat.checkpoint(fn, q, policy=policies.save_matmuls).backward()
+    assert torch.equal(q.grad, plain_q.grad)
+    assert len(seen) >= 2 and all(inside for _, inside in seen), seen
+    assert "exp" not in {name for name, _ in seen}
+
+
 def test_the_records_hold_no_intermediate_longer_than_a_plain_run() -> None:
     freed: list[bool] = []
 

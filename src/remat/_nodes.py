@@ -146,17 +146,16 @@ def _map(fn: Callable[[Any], Any], value: Any) -> Any:
     """``fn`` applied to the tensors in an op argument (tensors, lists and tuples of them)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, (tuple, list)):
-        mapped = [
-            fn(v)
-            if isinstance(v, torch.Tensor)
-            else _map(fn, v)
-            if isinstance(v, (tuple, list))
-            else v
-            for v in value
-        ]
-        return mapped if isinstance(value, list) else tuple(mapped)
-    return value
+    if not isinstance(value, (tuple, list)):
+        return value
+    mapped = []  # a plain loop: this runs for every argument of every recorded op
+    for v in value:
+        if isinstance(v, torch.Tensor):
+            v = fn(v)
+        elif isinstance(v, (tuple, list)):
+            v = _map(fn, v)
+        mapped.append(v)
+    return mapped if isinstance(value, list) else tuple(mapped)
 
 
 _RECORDED = (Ref, _Input, _External, _Held, _Meta)

@@ -226,6 +226,9 @@ class _Frame:
             nonlocal count
             index = count
             count += 1
+            # One alias serves both the slot and the recompute's own graph (which a backward
+            # inside the function uses); a saved output holding itself would keep its grad_fn.
+            detached = t.detach()
             if index < len(self.slots):
                 if self.check and (t.shape, t.dtype, t.device) != self.metas[index]:
                     mismatches.append(
@@ -234,11 +237,10 @@ class _Frame:
                     )
                 slot = self.slots[index]()
                 if slot is not None:
-                    store[slot] = t.detach()
+                    store[slot] = detached
                 if self.early_stop and index == last_needed:
                     raise _StopRecompute
-            # Saved for the recompute's own graph, which backward inside the function uses.
-            return t.detach()
+            return detached
 
         log = _OpLog() if self.forward_ops is not None else None
         try:

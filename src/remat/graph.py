@@ -65,7 +65,14 @@ from ._nodes import (
 )
 from ._replay import Replay
 from .errors import RematError
-from .policies import Decision, OpContext, as_decision, must_save_reason, resolve
+from .policies import (
+    Decision,
+    OpContext,
+    as_decision,
+    must_save_reason,
+    reads_attention,
+    resolve,
+)
 from .store._store import Saved, Store
 from .store.scope import drain, store_for
 
@@ -95,6 +102,7 @@ class Graph(Replay):
         self.ran: dict[int, set[int]] = {}
         self.modules: list[str] = [""]
         self.in_attention = 0
+        self.attention_scoped = False  # an ``_AttentionScope`` tracks ``in_attention``
         self.externals: dict[int, list[_External]] = {}
         self._refs: list[Ref] = []
         self.inputs_cache: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -447,6 +455,22 @@ class _AttentionScope(TorchFunctionMode):
             self.graph.in_attention -= 1
 
 
+@contextlib.contextmanager
+def _attention_scope(graph: Graph, policy: Any) -> Iterator[None]:
+    """Track ``ctx.in_attention`` while ``policy`` is on the stack, if it may read it and
+    nothing tracks it already. Ops recorded untracked count as outside attention: only
+    policies that never read it are asked about them."""
+    if graph.attention_scoped or not reads_attention(policy):
+        yield
+        return
+    graph.attention_scoped = True
+    try:
+        with _AttentionScope(graph):
+            yield
+    finally:
+        graph.attention_scoped = False
+
+
 class Recorder(EagerMode):
     """Records every op of a graph-engine region into its :class:`Graph`."""
 
@@ -510,7 +534,8 @@ def recording(
         # Nested graph regions share the outer recording; their policy joins the stack.
         active.policies.append(policy)
         try:
-            yield
+            with _attention_scope(active, policy):
+                yield
         finally:
             active.policies.pop()
         return
@@ -523,7 +548,7 @@ def recording(
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(graph.pack, graph.unpack))
             stack.enter_context(_state.checkpointing())
             stack.enter_context(_module_names(graph, module_names or {}))
-            stack.enter_context(_AttentionScope(graph))
+            stack.enter_context(_attention_scope(graph, policy))
             stack.enter_context(Recorder(graph))
             yield
     except BaseException:

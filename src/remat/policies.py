@@ -30,8 +30,9 @@ last.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -175,6 +176,25 @@ def as_decision(result: Any, policy: Any, op: Any) -> Decision:
     )
 
 
+_P = TypeVar("_P", bound=Callable[..., Any])
+
+# The built-in policies that never read ``ctx.in_attention``. A graph-engine region whose
+# policies are all among them runs without the ``TorchFunctionMode`` that tracks it, which
+# costs a few microseconds on every torch call of the region.
+_BLIND_TO_ATTENTION: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+def _blind_to_attention(policy: _P) -> _P:
+    _BLIND_TO_ATTENTION.add(policy)
+    return policy
+
+
+def reads_attention(policy: Any) -> bool:
+    """Whether ``policy`` may read ``ctx.in_attention``: ``True`` for every policy but the
+    built-ins known not to (a policy that is not weakly referenceable counts as reading it)."""
+    return policy not in _BLIND_TO_ATTENTION
+
+
 def _name(policy: Any) -> str:
     return getattr(policy, "__name__", None) or type(policy).__name__
 
@@ -226,11 +246,13 @@ def must_save_reason(op: torch._ops.OpOverload) -> str | None:
 # -- built-in policies ----------------------------------------------------------------------------
 
 
+@_blind_to_attention
 def save_everything(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
     """Keep every output autograd needs: no recompute, the most memory (a plain run)."""
     return Decision.PREFER_SAVE
 
 
+@_blind_to_attention
 def recompute_everything(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
     """Keep nothing but the region's inputs: the least memory, one extra forward of compute."""
     return Decision.PREFER_RECOMPUTE
@@ -251,6 +273,7 @@ MATMULS = frozenset(
 )
 
 
+@_blind_to_attention
 def save_matmuls(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
     """Matrix multiplies, convolutions and attention kernels are the expensive ops: keep their
     outputs, recompute the cheap pointwise ops around them."""
@@ -268,7 +291,7 @@ def save_tagged(*names: str) -> Policy:
         return Decision.MUST_SAVE if ctx.tags & wanted else Decision.PREFER_RECOMPUTE
 
     policy.__name__ = f"save_tagged({', '.join(map(repr, names))})"
-    return policy
+    return _blind_to_attention(policy)
 
 
 def save_smaller_than(nbytes: int) -> Policy:
@@ -282,7 +305,7 @@ def save_smaller_than(nbytes: int) -> Policy:
         return Decision.PREFER_SAVE if small else Decision.PREFER_RECOMPUTE
 
     policy.__name__ = f"save_smaller_than({nbytes})"
-    return policy
+    return _blind_to_attention(policy)
 
 
 def recompute_attention_core(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
@@ -311,6 +334,8 @@ def save_if_any(*policies: Policy) -> Policy:
         )
 
     policy.__name__ = f"save_if_any({', '.join(_name(p) for p in policies)})"
+    if not any(reads_attention(p) for p in policies):
+        _blind_to_attention(policy)
     return policy
 
 
@@ -335,7 +360,7 @@ def offload_everything(tier: str = "host") -> Policy:
         return decision
 
     policy.__name__ = f"offload_everything({tier!r})"
-    return policy
+    return _blind_to_attention(policy)
 
 
 def offload_matmuls(tier: str = "host") -> Policy:
@@ -347,7 +372,7 @@ def offload_matmuls(tier: str = "host") -> Policy:
         return decision if op in MATMULS else Decision.PREFER_RECOMPUTE
 
     policy.__name__ = f"offload_matmuls({tier!r})"
-    return policy
+    return _blind_to_attention(policy)
 
 
 def offload_larger_than(nbytes: int, tier: str = "host") -> Policy:
@@ -364,7 +389,7 @@ def offload_larger_than(nbytes: int, tier: str = "host") -> Policy:
         return decision if large else Decision.PREFER_SAVE
 
     policy.__name__ = f"offload_larger_than({nbytes}, {tier!r})"
-    return policy
+    return _blind_to_attention(policy)
 
 
 def must(policy: Policy) -> Policy:
@@ -377,4 +402,6 @@ def must(policy: Policy) -> Policy:
         return strong.get(decision, decision)
 
     strict.__name__ = f"must({_name(policy)})"
+    if not reads_attention(policy):
+        _blind_to_attention(strict)
     return strict
