@@ -48,6 +48,7 @@ __all__ = [
     "offload_everything",
     "offload_larger_than",
     "offload_matmuls",
+    "reads_attention",
     "recompute_attention_core",
     "recompute_everything",
     "save_everything",
@@ -113,7 +114,8 @@ class OpContext:
 
     ``module`` is the qualified name of the module the op ran in; ``tags`` the names given with
     ``remat.tag`` (set when the policies are asked again about a tagged tensor's op);
-    ``in_attention`` whether the op runs inside ``scaled_dot_product_attention``;
+    ``in_attention`` whether the op runs inside ``scaled_dot_product_attention`` (tracked while
+    a policy on the stack may read it, see :func:`reads_attention`);
     ``output_bytes`` what keeping the op's results would hold (a view holds its whole storage),
     or ``None`` when asked about a tagged tensor. ``is_recompute`` is always ``False``
     (policies run in forward only); it is there so that torch selective-checkpointing policies
