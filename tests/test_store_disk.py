@@ -128,6 +128,25 @@ def test_drop_before_or_during_write_leaves_no_file(tmp_path: pathlib.Path, gate
         assert tier.stats.pending_bytes == 0
 
 
+def test_a_flush_after_a_drop_waits_for_the_dropped_files_removal(
+    tmp_path: pathlib.Path, gate: _Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unlink = _files.unlink_quietly
+
+    def slow_unlink(path: pathlib.Path) -> None:
+        time.sleep(0.2)  # the worker is slow to remove the file of a write dropped midway
+        unlink(path)
+
+    monkeypatch.setattr(_files, "unlink_quietly", slow_unlink)
+    with DiskTier(tmp_path, threads=1) as tier:
+        ticket = tier.put(_bytes(1000))
+        assert gate.entered.acquire(timeout=5)  # its file is open, the worker waits
+        tier.drop(ticket)
+        gate.open.set()
+        tier.flush()
+        assert _files_in(tier) == []
+
+
 def test_drop_during_prefetch_leaves_no_file(tier: DiskTier, gate: _Gate) -> None:
     ticket = tier.put(_bytes(5000))
     tier.prefetch(ticket, CPU)  # waits for its write

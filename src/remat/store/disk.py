@@ -376,7 +376,8 @@ class DiskTier:
             _files.unlink_quietly(ticket.path)
 
     def flush(self) -> None:
-        """Wait for every write so far; raise the first failure not yet reported."""
+        """Wait for every write so far (a write whose ticket was dropped meanwhile, until its
+        file is removed); raise the first failure not yet reported."""
         shared = self._shared
         with shared.cond:
             shared.cond.wait_for(lambda: shared.writes_in_flight == 0 or shared.closed)
@@ -495,7 +496,6 @@ def _write(shared: _Shared, ticket: _DiskTicket) -> None:
         with shared.cond:
             ticket.data = None
             ticket.writing = False
-            shared.writes_in_flight -= 1
             shared.stats.pending_bytes -= nbytes
             if not skip:
                 shared.end_locked("write", start, None if error else nbytes)
@@ -505,9 +505,18 @@ def _write(shared: _Shared, ticket: _DiskTicket) -> None:
                 if not shared.closed:
                     shared.errors.append((error, nbytes))
             remove = shared.finish_io_locked(ticket)
+            if not remove:
+                shared.writes_in_flight -= 1
             shared.cond.notify_all()
         if remove:
-            _files.unlink_quietly(ticket.path)
+            # A write whose ticket was dropped meanwhile ends when its file is gone: ``flush``
+            # waits for that too, so no file outlives a flush after its drop.
+            try:
+                _files.unlink_quietly(ticket.path)
+            finally:
+                with shared.cond:
+                    shared.writes_in_flight -= 1
+                    shared.cond.notify_all()
 
 
 def _map(path: pathlib.Path, nbytes: int, touch: bool) -> torch.Tensor:
