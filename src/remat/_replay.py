@@ -226,7 +226,11 @@ class Replay:
         it wrote) and its result."""
         if node.blank is not None:
             return (), {}, node.blank.empty()
-        written: set[int | str] = {p for p, _ in node.writes} | {n for _, n in node.writes}
+        written: frozenset[int | str] = (
+            frozenset([p for p, _ in node.writes] + [n for _, n in node.writes])
+            if node.writes
+            else _NOTHING_WRITTEN
+        )
 
         def resolve_arg(value: Any, position: int | str | None = None) -> Any:
             if isinstance(value, Ref):
@@ -284,6 +288,9 @@ class Replay:
             if node.feeds:
                 self.rng_after.setdefault(task, {})[index] = [(g, g.get_state()) for g, _ in states]
         return args, kwargs, out
+
+
+_NOTHING_WRITTEN: frozenset[int | str] = frozenset()
 
 
 class _Replaying:

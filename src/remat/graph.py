@@ -102,7 +102,6 @@ class Graph(Replay):
         self.ran: dict[int, set[int]] = {}
         self.modules: list[str] = [""]
         self.in_attention = 0
-        self.attention_scoped = False  # an ``_AttentionScope`` tracks ``in_attention``
         self.externals: dict[int, list[_External]] = {}
         self._refs: list[Ref] = []
         self.inputs_cache: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -455,20 +454,14 @@ class _AttentionScope(TorchFunctionMode):
             self.graph.in_attention -= 1
 
 
-@contextlib.contextmanager
-def _attention_scope(graph: Graph, policy: Any) -> Iterator[None]:
-    """Track ``ctx.in_attention`` while ``policy`` is on the stack, if it may read it and
-    nothing tracks it already. Ops recorded untracked count as outside attention: only
-    policies that never read it are asked about them."""
-    if graph.attention_scoped or not reads_attention(policy):
-        yield
-        return
-    graph.attention_scoped = True
-    try:
-        with _AttentionScope(graph):
-            yield
-    finally:
-        graph.attention_scoped = False
+def _attention_scope(graph: Graph) -> contextlib.AbstractContextManager[Any]:
+    """Track ``ctx.in_attention`` while the policy just pushed on ``graph.policies`` is there,
+    if it may read it and no policy below it does (whose region tracks it already). Ops
+    recorded untracked count as outside attention: only policies that never read it see them."""
+    *below, policy = graph.policies
+    if not reads_attention(policy) or any(reads_attention(p) for p in below):
+        return contextlib.nullcontext()
+    return _AttentionScope(graph)
 
 
 class Recorder(EagerMode):
@@ -534,7 +527,7 @@ def recording(
         # Nested graph regions share the outer recording; their policy joins the stack.
         active.policies.append(policy)
         try:
-            with _attention_scope(active, policy):
+            with _attention_scope(active):
                 yield
         finally:
             active.policies.pop()
@@ -548,7 +541,7 @@ def recording(
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(graph.pack, graph.unpack))
             stack.enter_context(_state.checkpointing())
             stack.enter_context(_module_names(graph, module_names or {}))
-            stack.enter_context(_attention_scope(graph, policy))
+            stack.enter_context(_attention_scope(graph))
             stack.enter_context(Recorder(graph))
             yield
     except BaseException:

@@ -505,18 +505,15 @@ def _write(shared: _Shared, ticket: _DiskTicket) -> None:
                 if not shared.closed:
                     shared.errors.append((error, nbytes))
             remove = shared.finish_io_locked(ticket)
-            if not remove:
-                shared.writes_in_flight -= 1
-            shared.cond.notify_all()
-        if remove:
-            # A write whose ticket was dropped meanwhile ends when its file is gone: ``flush``
-            # waits for that too, so no file outlives a flush after its drop.
-            try:
+        # The write ends when the file of a ticket dropped meanwhile is gone: ``flush`` waits for
+        # that too, so no file outlives a flush after its drop.
+        try:
+            if remove:
                 _files.unlink_quietly(ticket.path)
-            finally:
-                with shared.cond:
-                    shared.writes_in_flight -= 1
-                    shared.cond.notify_all()
+        finally:
+            with shared.cond:
+                shared.writes_in_flight -= 1
+                shared.cond.notify_all()
 
 
 def _map(path: pathlib.Path, nbytes: int, touch: bool) -> torch.Tensor:
