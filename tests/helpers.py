@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -108,3 +109,11 @@ class OpCounter(TorchDispatchMode):
 def counting_ops() -> Iterator[OpCounter]:
     with OpCounter() as counter:
         yield counter
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll ``predicate`` until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)

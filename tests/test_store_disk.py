@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,6 +21,8 @@ import remat
 from remat import RematError
 from remat.store import _files
 from remat.store.disk import DiskTier, sequential_bandwidth
+
+from helpers import wait_for
 
 CPU = torch.device("cpu")
 
@@ -32,13 +34,6 @@ def _bytes(n: int, seed: int = 0) -> torch.Tensor:
 
 def _files_in(tier: DiskTier) -> list[str]:
     return sorted(os.listdir(tier.directory))
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
 
 
 @pytest.fixture
@@ -154,7 +149,7 @@ def test_drop_during_prefetch_leaves_no_file(tier: DiskTier, gate: _Gate) -> Non
     tier.drop(ticket)
     gate.open.set()
     tier.flush()
-    _wait_for(lambda: _files_in(tier) == [])
+    wait_for(lambda: _files_in(tier) == [])
     tier.drop(ticket)  # twice is harmless
     with pytest.raises(RematError, match="not yet dropped"):
         tier.get(ticket, CPU)
@@ -398,7 +393,7 @@ def test_write_error_surfaces_from_next_put(
         tier.put(_bytes(100))
         tier.put(_bytes(200))
         both_put.set()
-        _wait_for(lambda: tier.stats.failed_writes == 2)
+        wait_for(lambda: tier.stats.failed_writes == 2)
         monkeypatch.undo()
         with pytest.raises(
             RematError, match=r"write 100 bytes.*ENOSPC.*1 more write\(s\), 200 bytes in all"
@@ -427,7 +422,7 @@ def test_a_reported_write_error_waits_for_the_writes_still_running(
     with DiskTier(tmp_path, threads=2) as tier:
         tier.put(_bytes(100))
         tier.put(_bytes(200))
-        _wait_for(lambda: tier.stats.failed_writes == 1)
+        wait_for(lambda: tier.stats.failed_writes == 1)
         timer = threading.Timer(0.2, release.set)
         timer.start()
         with pytest.raises(
