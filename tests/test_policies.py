@@ -561,6 +561,84 @@ def test_a_nested_policy_that_reads_in_attention_is_told_inside_a_region_that_do
     assert "exp" not in {name for name, _ in seen}
 
 
+@pytest.mark.parametrize(
+    ("policy", "by_op"),
+    [
+        (policies.save_matmuls, True),
+        (policies.recompute_everything, True),
+        (policies.save_everything, True),
+        (policies.offload_everything("host"), True),
+        (policies.offload_matmuls("disk"), True),
+        (policies.must(policies.save_matmuls), True),
+        (policies.save_if_any(policies.save_matmuls, policies.offload_matmuls("host")), True),
+        (policies.save_tagged("h"), False),
+        (policies.save_smaller_than(64), False),
+        (policies.offload_larger_than(64), False),
+        (policies.recompute_attention_core, False),
+        (_reader, False),  # any policy remat does not know may read anything
+        (policies.must(_reader), False),
+        (policies.save_if_any(policies.save_matmuls, policies.save_tagged("h")), False),
+    ],
+)
+def test_which_policies_decide_by_the_op_alone(policy: Any, by_op: bool) -> None:
+    assert policies.decides_by_op(policy) is by_op
+
+
+def test_a_policy_that_decides_by_the_op_alone_is_asked_once_per_op() -> None:
+    asked: Counter[Any] = Counter()
+
+    def by_op(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        asked[op] += 1
+        return Decision.PREFER_SAVE if op is aten.mm.default else Decision.PREFER_RECOMPUTE
+
+    policies._reads()(by_op)  # marked as the built-ins that read nothing but the op are
+    w = _leaf(6, 6)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin().sin() @ w).sin().sum()
+
+    for _ in range(3):
+        ops = run_both(fn, _leaf(4, 6), policy=by_op)
+        # Its answers still hold: the matmul is kept, so backward runs only its own two;
+        # both sins before it are replayed (the matmul's backward reads the second, whose
+        # backward reads the first).
+        assert (ops["mm"], ops["sin"]) == (2, 2)
+    # Three regions of three sins and a matmul each; asked once per op, not per call.
+    assert asked[aten.sin.default] == 1 and asked[aten.mm.default] == 1
+    assert all(n == 1 for n in asked.values()), asked
+
+
+def test_a_nested_policy_is_asked_every_time_and_leaves_the_outer_answers_as_they_were() -> None:
+    outer: Counter[Any] = Counter()
+    inner: Counter[Any] = Counter()
+
+    def by_op(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        outer[op] += 1
+        return Decision.PREFER_RECOMPUTE
+
+    def keep(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        inner[op] += 1
+        return Decision.MUST_SAVE
+
+    policies._reads()(by_op)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with remat.region(policy=keep):  # the stack holds two policies: no answer reused
+            a = x.sin().sin()
+        return a.sin().sin().sum()  # the outer policy alone: its own answer, PREFER_RECOMPUTE
+
+    for _ in range(2):
+        ops = run_both(fn, _leaf(8), policy=by_op)
+        # The nested sins are kept (MUST_SAVE); of the two after them, the first is replayed
+        # for the second's backward: a resolved MUST_SAVE stored as the outer answer would
+        # keep it instead.
+        assert ops["sin"] == 1
+    # Per run, the nested region asks ``keep`` about its two sins, and so does the plain run's
+    # region (its own graph region there); ``by_op`` is asked about both nested sins, and about
+    # the sins after them only the first time.
+    assert inner[aten.sin.default] == 2 * (2 + 2) and outer[aten.sin.default] == 2 * 2 + 1
+
+
 def test_the_records_hold_no_intermediate_longer_than_a_plain_run() -> None:
     freed: list[bool] = []
 

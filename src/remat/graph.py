@@ -69,6 +69,7 @@ from .policies import (
     Decision,
     OpContext,
     as_decision,
+    decides_by_op,
     must_save_reason,
     reads_attention,
     resolve,
@@ -87,6 +88,7 @@ class Graph(Replay):
 
     def __init__(self, policies: list[Any], inputs: list[torch.Tensor]) -> None:
         self.policies = policies
+        self.by_op = _decisions_by_op(policies[0])  # while it is the only policy
         self.nodes: list[Node] = []
         # TensorImpl address -> how that tensor is known; see [ Replay identity ].
         self.current: dict[int, _Entry] = {}
@@ -261,13 +263,14 @@ class Graph(Replay):
         module: str,
         reason: str | None,
     ) -> Decision:
-        ctx = OpContext(module=module, in_attention=self.in_attention > 0, outputs=(func, out))
-        if len(self.policies) == 1:
-            policy = self.policies[0]
-            decision = as_decision(policy(ctx, func, *args, **kwargs), policy, func)
-        else:
+        by_op = self.by_op if len(self.policies) == 1 else None
+        decision = by_op.get(id(func)) if by_op is not None else None
+        if decision is None:
+            ctx = OpContext(module=module, in_attention=self.in_attention > 0, outputs=(func, out))
             decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
-            decision = resolve(decisions, func, module)
+            decision = decisions[0] if len(decisions) == 1 else resolve(decisions, func, module)
+            if by_op is not None:
+                by_op[id(func)] = decision
         if reason is not None and decision.recompute:
             if decision is Decision.MUST_RECOMPUTE:
                 raise RematError(
@@ -379,6 +382,15 @@ class Graph(Replay):
         for store in self.stores:  # a failed write raises here, before backward
             store.flush()
         self.stores = set()
+
+
+# The answers of each policy that decides by the op alone (``decides_by_op``), by ``id(op)``:
+# every op asked about was recorded first, and ``_FACTS`` holds it, so its id stays its own.
+_BY_OP: weakref.WeakKeyDictionary[Any, dict[int, Decision]] = weakref.WeakKeyDictionary()
+
+
+def _decisions_by_op(policy: Any) -> dict[int, Decision] | None:
+    return _BY_OP.setdefault(policy, {}) if decides_by_op(policy) else None
 
 
 class _OpFacts(NamedTuple):

@@ -44,6 +44,7 @@ __all__ = [
     "Decision",
     "OpContext",
     "Policy",
+    "decides_by_op",
     "must",
     "offload_everything",
     "offload_larger_than",
@@ -180,21 +181,43 @@ def as_decision(result: Any, policy: Any, op: Any) -> Decision:
 
 _P = TypeVar("_P", bound=Callable[..., Any])
 
-# The built-in policies that never read ``ctx.in_attention``. A graph-engine region whose
-# policies are all among them runs without the ``TorchFunctionMode`` that tracks it, which
-# costs a few microseconds on every torch call of the region.
-_BLIND_TO_ATTENTION: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+# What each built-in policy reads besides the op (none reads the op's arguments):
+# ``"in_attention"``, ``"tags"``, ``"output_bytes"``. A graph-engine region skips the work of
+# telling a policy what it never reads: without ``"in_attention"`` it runs without the
+# ``TorchFunctionMode`` that tracks it (a few microseconds on every torch call), and a policy
+# that reads nothing is asked once per op, its answer reused for every later call of that op.
+# A policy not listed here (any user policy, a torch selective-checkpointing function) may
+# read anything.
+_READS: weakref.WeakKeyDictionary[Callable[..., Any], frozenset[str]] = weakref.WeakKeyDictionary()
 
 
-def _blind_to_attention(policy: _P) -> _P:
-    _BLIND_TO_ATTENTION.add(policy)
-    return policy
+def _reads(*fields: str) -> Callable[[_P], _P]:
+    def mark(policy: _P) -> _P:
+        _READS[policy] = frozenset(fields)
+        return policy
+
+    return mark
+
+
+def _fields(policy: Any) -> frozenset[str] | None:
+    """What ``policy`` reads, or ``None`` when it is not a built-in that says."""
+    try:
+        return _READS.get(policy)
+    except TypeError:  # not weakly referenceable, so not a built-in
+        return None
 
 
 def reads_attention(policy: Any) -> bool:
     """Whether ``policy`` may read ``ctx.in_attention``: ``True`` for every policy but the
-    built-ins known not to (a policy that is not weakly referenceable counts as reading it)."""
-    return policy not in _BLIND_TO_ATTENTION
+    built-ins known not to."""
+    fields = _fields(policy)
+    return fields is None or "in_attention" in fields
+
+
+def decides_by_op(policy: Any) -> bool:
+    """Whether ``policy``'s decision depends on the op alone, not on its context or arguments
+    (``save_matmuls``, ``save_everything``, ...): a region asks it once per op."""
+    return _fields(policy) == frozenset()
 
 
 def _name(policy: Any) -> str:
@@ -248,13 +271,13 @@ def must_save_reason(op: torch._ops.OpOverload) -> str | None:
 # -- built-in policies ----------------------------------------------------------------------------
 
 
-@_blind_to_attention
+@_reads()
 def save_everything(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
     """Keep every output autograd needs: no recompute, the most memory (a plain run)."""
     return Decision.PREFER_SAVE
 
 
-@_blind_to_attention
+@_reads()
 def recompute_everything(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
     """Keep nothing but the region's inputs: the least memory, one extra forward of compute."""
     return Decision.PREFER_RECOMPUTE
@@ -275,7 +298,7 @@ MATMULS = frozenset(
 )
 
 
-@_blind_to_attention
+@_reads()
 def save_matmuls(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
     """Matrix multiplies, convolutions and attention kernels are the expensive ops: keep their
     outputs, recompute the cheap pointwise ops around them."""
@@ -293,7 +316,7 @@ def save_tagged(*names: str) -> Policy:
         return Decision.MUST_SAVE if ctx.tags & wanted else Decision.PREFER_RECOMPUTE
 
     policy.__name__ = f"save_tagged({', '.join(map(repr, names))})"
-    return _blind_to_attention(policy)
+    return _reads("tags")(policy)
 
 
 def save_smaller_than(nbytes: int) -> Policy:
@@ -307,9 +330,10 @@ def save_smaller_than(nbytes: int) -> Policy:
         return Decision.PREFER_SAVE if small else Decision.PREFER_RECOMPUTE
 
     policy.__name__ = f"save_smaller_than({nbytes})"
-    return _blind_to_attention(policy)
+    return _reads("output_bytes")(policy)
 
 
+@_reads("in_attention")
 def recompute_attention_core(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
     """Megatron's selective recompute: attention scores and probabilities take memory
     quadratic in the sequence for little compute, so recompute everything inside
@@ -336,9 +360,13 @@ def save_if_any(*policies: Policy) -> Policy:
         )
 
     policy.__name__ = f"save_if_any({', '.join(_name(p) for p in policies)})"
-    if not any(reads_attention(p) for p in policies):
-        _blind_to_attention(policy)
-    return policy
+    fields: frozenset[str] = frozenset()
+    for p in policies:
+        part = _fields(p)
+        if part is None:
+            return policy
+        fields |= part
+    return _reads(*fields)(policy)
 
 
 _OFFLOAD = {
@@ -362,7 +390,7 @@ def offload_everything(tier: str = "host") -> Policy:
         return decision
 
     policy.__name__ = f"offload_everything({tier!r})"
-    return _blind_to_attention(policy)
+    return _reads()(policy)
 
 
 def offload_matmuls(tier: str = "host") -> Policy:
@@ -374,7 +402,7 @@ def offload_matmuls(tier: str = "host") -> Policy:
         return decision if op in MATMULS else Decision.PREFER_RECOMPUTE
 
     policy.__name__ = f"offload_matmuls({tier!r})"
-    return _blind_to_attention(policy)
+    return _reads()(policy)
 
 
 def offload_larger_than(nbytes: int, tier: str = "host") -> Policy:
@@ -391,7 +419,7 @@ def offload_larger_than(nbytes: int, tier: str = "host") -> Policy:
         return decision if large else Decision.PREFER_SAVE
 
     policy.__name__ = f"offload_larger_than({nbytes}, {tier!r})"
-    return _blind_to_attention(policy)
+    return _reads("output_bytes")(policy)
 
 
 def must(policy: Policy) -> Policy:
@@ -404,6 +432,5 @@ def must(policy: Policy) -> Policy:
         return strong.get(decision, decision)
 
     strict.__name__ = f"must({_name(policy)})"
-    if not reads_attention(policy):
-        _blind_to_attention(strict)
-    return strict
+    fields = _fields(policy)
+    return strict if fields is None else _reads(*fields)(strict)
