@@ -266,9 +266,7 @@ class Graph(Replay):
         by_op = self.by_op if len(self.policies) == 1 else None
         decision = by_op.get(id(func)) if by_op is not None else None
         if decision is None:
-            ctx = OpContext(module=module, in_attention=self.in_attention > 0, outputs=(func, out))
-            decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
-            decision = decisions[0] if len(decisions) == 1 else resolve(decisions, func, module)
+            decision = self._ask(func, args, kwargs, out, module)
             if by_op is not None:
                 by_op[id(func)] = decision
         if reason is not None and decision.recompute:
@@ -281,6 +279,13 @@ class Graph(Replay):
                 )
             return Decision.MUST_SAVE
         return decision
+
+    def _ask(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, module: str
+    ) -> Decision:
+        ctx = OpContext(module=module, in_attention=self.in_attention > 0, outputs=(func, out))
+        decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
+        return decisions[0] if len(decisions) == 1 else resolve(decisions, func, module)
 
     def retag(self, t: torch.Tensor, name: str) -> None:
         """``remat.tag``: ask the policies again about the op behind ``t``, with its name."""
