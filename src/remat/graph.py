@@ -266,7 +266,8 @@ class Graph(Replay):
         by_op = self.by_op if len(self.policies) == 1 else None
         decision = by_op.get(id(func)) if by_op is not None else None
         if decision is None:
-            decision = self._ask(func, args, kwargs, out, module)
+            ctx = OpContext(module=module, in_attention=self.in_attention > 0, outputs=(func, out))
+            decision = self._ask(ctx, func, args, kwargs)
             if by_op is not None:
                 by_op[id(func)] = decision
         if reason is not None and decision.recompute:
@@ -281,11 +282,11 @@ class Graph(Replay):
         return decision
 
     def _ask(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, module: str
+        self, ctx: OpContext, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Decision:
-        ctx = OpContext(module=module, in_attention=self.in_attention > 0, outputs=(func, out))
+        """What the policies on the stack decide together for ``func`` in ``ctx``."""
         decisions = [as_decision(p(ctx, func, *args, **kwargs), p, func) for p in self.policies]
-        return decisions[0] if len(decisions) == 1 else resolve(decisions, func, module)
+        return decisions[0] if len(decisions) == 1 else resolve(decisions, func, ctx.module)
 
     def retag(self, t: torch.Tensor, name: str) -> None:
         """``remat.tag``: ask the policies again about the op behind ``t``, with its name."""
@@ -295,10 +296,7 @@ class Graph(Replay):
         node = self.nodes[entry.ref.node]
         ctx = OpContext(module=node.module, tags=frozenset({name}), in_attention=node.in_attention)
         args, kwargs = self._live_arguments(node)
-        decisions = [
-            as_decision(p(ctx, node.op, *args, **kwargs), p, node.op) for p in self.policies
-        ]
-        decision = resolve(decisions, node.op, node.module)
+        decision = self._ask(ctx, node.op, args, kwargs)
         if not decision.recompute and node.decision.recompute:
             node.decision = decision
             node.kept[entry.ref.key] = self.hold(t.detach())
