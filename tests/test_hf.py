@@ -8,6 +8,7 @@ backward.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -231,3 +232,16 @@ def test_budget_needs_the_planner(monkeypatch: pytest.MonkeyPatch) -> None:
         remat.hf.enable(model, budget="50%")
     remat.hf.enable(model, budget=2**20, example_inputs=inputs, loss_fn=loss_fn)
     assert calls == [(model, inputs, {"budget": 2**20, "loss_fn": loss_fn})]
+
+
+def test_layers_by_name_and_a_deep_copy() -> None:
+    model, inputs = _model("gpt2"), _inputs("gpt2")
+    plain = _step(model, inputs)
+    remat.hf.enable(model, layers=["transformer.h.1"])
+    wrapped = [name for name, m in model.named_modules() if "forward" in m.__dict__]
+    assert wrapped == ["transformer.h.1"]
+    copy_ = copy.deepcopy(model)
+    _assert_exact(plain, _step(copy_, inputs))
+    remat.hf.disable(copy_)  # the copy carries its own regions and hooks
+    assert not any("forward" in m.__dict__ for m in copy_.modules())
+    assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == wrapped
