@@ -5,6 +5,7 @@ until backward, or drops it and rebuilds it in backward, with gradients bit-iden
 plain run.
 """
 
+from . import hf as hf
 from . import pipe as pipe
 from . import policies as policies
 from . import store as store
@@ -41,6 +42,7 @@ __all__ = [
     "checkpoint_wrapper",
     "disable_checkpointing",
     "explain",
+    "hf",
     "is_checkpointing",
     "is_recomputing",
     "offload",

@@ -2,6 +2,8 @@
 
 Nothing is downloaded: each model is made from its configuration class. The benchmark size
 matches the built-in GPT (12 layers, width 512, 8 heads, sequence 512, batch 2, vocabulary 8192).
+The blocks that every strategy wraps are the layers that :func:`remat.hf.enable` makes
+regions, found by the same call (:func:`remat.hf.layer_classes`).
 """
 
 from __future__ import annotations
@@ -79,17 +81,13 @@ def _transformers() -> Any:
     return importlib.import_module("transformers")
 
 
-def _block_types(name: str) -> tuple[type[nn.Module], ...]:
-    tf = _transformers()
+def _block_types(name: str, s: dict[str, int]) -> tuple[type[nn.Module], ...]:
+    # The layers that remat.hf.enable makes regions, found the same way (_no_split_modules),
+    # on a copy of the model built on the meta device: no memory, no initialisation.
+    from .. import hf
 
-    module = {
-        "gpt2": tf.models.gpt2.modeling_gpt2,
-        "llama": tf.models.llama.modeling_llama,
-        "bert": tf.models.bert.modeling_bert,
-    }[name]
-    cls = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "bert": "BertLayer"}[name]
-    block: type[nn.Module] = getattr(module, cls)
-    return (block,)
+    with torch.device("meta"):
+        return hf.layer_classes(_build(name, s))
 
 
 def _batch(s: dict[str, int], generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -123,7 +121,7 @@ def get_hf_workload(name: str, size: str = "small") -> Workload:
         build=partial(_build, name, s),
         make_batch=partial(_batch, s),
         loss_fn=_loss,
-        block_types=_block_types(name),
+        block_types=_block_types(name, s),
         description=(
             f"Hugging Face {name} from config: {s['layers']} layers, width {s['width']}, "
             f"{s['heads']} heads, seq {s['seq']}, batch {s['batch']}, vocab {s['vocab']}"

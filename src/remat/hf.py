@@ -1,0 +1,243 @@
+"""Hugging Face ``transformers`` models in one call: ``remat.hf.enable(model)``.
+
+A ``PreTrainedModel`` names the classes it must never split across devices in
+``_no_split_modules``: its decoder or encoder layer, and sometimes its embeddings. The layers
+are those of the named classes that sit in an ``nn.ModuleList`` (the stack the model loops
+over); each becomes a remat region, with the region engine (``policy=None``), a policy (the
+graph engine) or a memory budget (the planner). Nothing here imports ``transformers``: the
+model carries everything this module reads.
+
+NOTE [ Key/value caches in training ]
+
+A layer given a key/value cache (``use_cache=True``, ``past_key_values``, ``layer_past``)
+appends its keys and values to that cache object in forward. The object is Python state, not a
+tensor, so remat's write guard cannot keep a recompute from appending a second time; the
+recompute would then attend over twice the keys and rebuild tensors of other shapes (remat's
+determinism check raises :class:`~remat.CheckpointError`). Hugging Face's own gradient
+checkpointing drops the cache in each layer while training, with a warning; ``enable`` does the
+same, through a forward pre-hook on each layer: while the layer trains with gradients enabled,
+``use_cache`` becomes ``False`` and ``past_key_values`` / ``layer_past`` become ``None``, and a
+warning is logged once per layer class (logger ``remat.hf``). In evaluation and under
+``torch.no_grad()`` (generation) the cache passes through untouched. The model's config is not
+changed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import modules
+from .errors import RematError
+from .policies import Policy
+
+__all__ = ["disable", "enable", "layer_classes"]
+
+logger = logging.getLogger("remat.hf")
+
+_CACHE_ARGUMENTS = ("past_key_values", "layer_past")
+_warned: set[str] = set()
+
+
+def layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The repeated layer classes of a Hugging Face model, found from ``_no_split_modules``.
+
+    Every class that the model or one of its submodules names in ``_no_split_modules`` and
+    that has an instance inside an ``nn.ModuleList`` (the stack of layers the model loops
+    over); embeddings, also named there, are not in such a list and are left out.
+    """
+    named: set[str] = set()
+    for module in model.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if names:
+            named.update(names)
+    if not named:
+        raise RematError(
+            f"remat.hf: {type(model).__name__} names no layer classes (no _no_split_modules on "
+            "it or its submodules); pass them yourself: remat.hf.enable(model, "
+            "layers=(MyLayer,))."
+        )
+    found = {
+        type(child)
+        for module in model.modules()
+        if isinstance(module, nn.ModuleList)
+        for child in module.children()
+        if type(child).__name__ in named
+    }
+    if not found:
+        raise RematError(
+            f"remat.hf: none of the classes {sorted(named)} that {type(model).__name__} names in "
+            "_no_split_modules is in an nn.ModuleList; pass the layer classes yourself: "
+            "remat.hf.enable(model, layers=(MyLayer,))."
+        )
+    return tuple(sorted(found, key=lambda cls: cls.__name__))
+
+
+def enable(
+    model: nn.Module,
+    policy: Policy | None = None,
+    *,
+    budget: int | float | str | None = None,
+    layers: modules.Where | None = None,
+    example_inputs: Any = None,
+    loss_fn: Callable[..., Any] | None = None,
+    **options: Any,
+) -> nn.Module:
+    """Make every layer of a Hugging Face model a remat region, in place; return the model.
+
+    Args:
+        model: a ``transformers`` model (any ``nn.Module`` whose layers ``_no_split_modules``
+            names, or any module with ``layers=`` given).
+        policy: ``None`` re-runs each whole layer in backward (the region engine, as Hugging
+            Face's ``gradient_checkpointing_enable()``); a policy of :mod:`remat.policies`
+            decides per op what each layer keeps, offloads or recomputes (the graph engine).
+        budget: instead of a policy, the memory the step may use, planned by ``remat.fit``
+            (bytes, or a fraction of the plain step's activation memory); needs
+            ``example_inputs`` and ``loss_fn``.
+        layers: the modules to make regions, in any form :func:`remat.apply` takes (a class, a
+            tuple of classes, a predicate or qualified names); default:
+            :func:`layer_classes`.
+        **options: options of :func:`remat.apply` (``offload_to_cpu``, ``determinism_check``,
+            ...).
+
+    Key/value caches are dropped in training, as Hugging Face does for its gradient
+    checkpointing (see NOTE [ Key/value caches in training ]). Undo with :func:`disable`.
+    """
+    if not isinstance(model, nn.Module):
+        raise RematError(f"remat.hf.enable: expected an nn.Module, got {type(model).__name__}.")
+    if budget is not None and policy is not None:
+        raise RematError(
+            "remat.hf.enable: got both policy= and budget=; a budget lets the planner choose "
+            "the policy. Pass one of them."
+        )
+    hf_on = [name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", 0)]
+    if hf_on:
+        raise RematError(
+            f"remat.hf.enable: Hugging Face gradient checkpointing is on in {type(model).__name__}"
+            f" ({hf_on[0] or 'the model'}); each layer would be recomputed twice. Call "
+            "model.gradient_checkpointing_disable() first."
+        )
+    if _enabled(model):
+        raise RematError(
+            f"remat.hf.enable: remat is already enabled on {type(model).__name__}; call "
+            "remat.hf.disable(model) first to change the policy."
+        )
+    where = layer_classes(model) if layers is None else layers
+    if budget is not None:
+        return _fit(model, where, budget, example_inputs, loss_fn, options)
+    before = {id(m) for m in model.modules() if modules.is_wrapped(m)}
+    if policy is not None:
+        options["policy"] = policy
+    modules.apply(model, where, **options)
+    for m in model.modules():
+        if modules.is_wrapped(m) and id(m) not in before:
+            m.register_forward_pre_hook(_drop_cache, with_kwargs=True)
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable`: every layer it made a region runs plainly again; return the model."""
+    if not isinstance(model, nn.Module):
+        raise RematError(f"remat.hf.disable: expected an nn.Module, got {type(model).__name__}.")
+    found = 0
+    for m in model.modules():
+        keys = [k for k, hook in m._forward_pre_hooks.items() if hook is _drop_cache]
+        for key in keys:
+            del m._forward_pre_hooks[key]
+            m._forward_pre_hooks_with_kwargs.pop(key, None)
+        if keys:
+            found += 1
+            if modules.is_wrapped(m):
+                del m.forward
+    if not found:
+        raise RematError(
+            f"remat.hf.disable: no layer of {type(model).__name__} was enabled by "
+            "remat.hf.enable; nothing to undo."
+        )
+    return model
+
+
+def _enabled(model: nn.Module) -> bool:
+    return any(
+        hook is _drop_cache for m in model.modules() for hook in m._forward_pre_hooks.values()
+    )
+
+
+def _fit(
+    model: nn.Module,
+    where: modules.Where,
+    budget: int | float | str,
+    example_inputs: Any,
+    loss_fn: Callable[..., Any] | None,
+    options: dict[str, Any],
+) -> nn.Module:
+    import remat
+
+    fit = getattr(remat, "fit", None)
+    if fit is None:
+        raise RematError(
+            f"remat.hf.enable: budget={budget!r} needs the planner (remat.fit), which this "
+            "version of remat does not have; pass policy= (or nothing, for whole-layer "
+            "recompute) instead."
+        )
+    if example_inputs is None or loss_fn is None:
+        raise RematError(
+            "remat.hf.enable: budget= plans from one measured step; pass example_inputs= (the "
+            "model's inputs) and loss_fn= (output -> loss) too."
+        )
+    match = modules._matcher(where, model)
+    for name, m in model.named_modules():
+        if match(name, m):
+            m.register_forward_pre_hook(_drop_cache, with_kwargs=True)
+    fit(model, example_inputs, budget=budget, loss_fn=loss_fn, **options)
+    return model
+
+
+_signatures: weakref.WeakKeyDictionary[type[nn.Module], inspect.Signature] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _signature(cls: type[nn.Module]) -> inspect.Signature:
+    signature = _signatures.get(cls)
+    if signature is None:
+        signature = _signatures[cls] = inspect.signature(cls.forward)
+    return signature
+
+
+def _drop_cache(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Forward pre-hook of an enabled layer: no key/value cache while training (see NOTE
+    [ Key/value caches in training ])."""
+    if not (module.training and torch.is_grad_enabled()):
+        return None
+    try:
+        bound = _signature(type(module)).bind_partial(module, *args, **kwargs)
+    except TypeError:
+        return None  # the layer's own call raises the clearer error
+    changed = [
+        name
+        for name in ("use_cache", *_CACHE_ARGUMENTS)
+        if bound.arguments.get(name) not in (None, False)
+    ]
+    if not changed:
+        return None
+    for name in changed:
+        bound.arguments[name] = False if name == "use_cache" else None
+    name = type(module).__name__
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning(
+            "remat.hf: a key/value cache cannot be used with recompute in training; %s runs "
+            "with %s.",
+            name,
+            ", ".join("use_cache=False" if n == "use_cache" else f"{n}=None" for n in changed),
+        )
+    return bound.args[1:], bound.kwargs

@@ -1,0 +1,247 @@
+"""remat.hf: one call enables remat on Hugging Face models built from tiny configs.
+
+Every model is made from its configuration class with random weights (nothing is downloaded),
+two layers of width 32, dropout on, and trained one step with and without remat from the same
+random state: loss and every gradient must be bit-equal, and remat must hold fewer bytes for
+backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import policies
+
+tf = pytest.importorskip("transformers", reason="transformers is not installed")
+
+MODELS = ("gpt2", "llama", "mistral", "bert", "t5", "vit")
+VOCAB, SEQ, BATCH, WIDTH = 64, 8, 2, 32
+
+
+def _config(name: str, attention: str) -> Any:
+    common: dict[str, Any] = {"attn_implementation": attention}
+    if name == "gpt2":
+        return tf.GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=2, n_head=4,
+            resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, **common,
+        )  # fmt: skip
+    if name in ("llama", "mistral"):
+        cls = tf.LlamaConfig if name == "llama" else tf.MistralConfig
+        return cls(
+            vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+            attention_dropout=0.1, **common,
+        )  # fmt: skip
+    if name == "bert":
+        return tf.BertConfig(
+            vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=SEQ, hidden_dropout_prob=0.1,
+            attention_probs_dropout_prob=0.1, **common,
+        )  # fmt: skip
+    if name == "t5":
+        return tf.T5Config(
+            vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            dropout_rate=0.1, decoder_start_token_id=0, **common,
+        )  # fmt: skip
+    return tf.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=WIDTH, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1, num_labels=3, **common,
+    )  # fmt: skip
+
+
+def _model(name: str, attention: str = "eager") -> nn.Module:
+    classes = {
+        "gpt2": tf.GPT2LMHeadModel,
+        "llama": tf.LlamaForCausalLM,
+        "mistral": tf.MistralForCausalLM,
+        "bert": tf.BertForMaskedLM,
+        "t5": tf.T5ForConditionalGeneration,
+        "vit": tf.ViTForImageClassification,
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model: nn.Module = classes[name](_config(name, attention))
+    return model.train()
+
+
+def _inputs(name: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    if name == "vit":
+        return {
+            "pixel_values": torch.randn(BATCH, 3, 8, 8, generator=g),
+            "labels": torch.randint(0, 3, (BATCH,), generator=g),
+        }
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return {"input_ids": tokens, "labels": tokens}
+
+
+def _step(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Any]]:
+    """One training step from a fixed random state: the loss and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        loss = model(**inputs).loss
+        loss.backward()
+    return loss.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _held_for_backward(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+    """Bytes that a forward pass leaves alive for backward (live bytes after the loss)."""
+    with remat.MemoryTracker(model, timeline=False) as tracker:
+        loss = model(**inputs).loss
+        held = tracker.live_bytes("cpu")
+        loss.backward()
+    return held
+
+
+Step = tuple[torch.Tensor, list[Any]]
+
+
+def _assert_exact(plain: Step, ours: Step) -> None:
+    assert torch.equal(plain[0], ours[0])
+    assert len(plain[1]) == len(ours[1])
+    for a, b in zip(plain[1], ours[1], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", MODELS)
+def test_enable_is_exact_and_holds_less(name: str, attention: str) -> None:
+    model, inputs = _model(name, attention), _inputs(name)
+    plain = _step(model, inputs)
+    plain_held = _held_for_backward(model, inputs)
+
+    remat.hf.enable(model)
+    layers = [m for m in model.modules() if remat.hf.layer_classes(model)[0] is type(m)]
+    assert len(layers) >= 2
+    _assert_exact(plain, _step(model, inputs))
+    held = _held_for_backward(model, inputs)
+    assert held < plain_held, (held, plain_held)
+
+    remat.hf.disable(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    _assert_exact(plain, _step(model, inputs))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_enable_with_a_policy_is_exact(name: str) -> None:
+    model, inputs = _model(name, "sdpa"), _inputs(name)
+    plain = _step(model, inputs)
+    plain_held = _held_for_backward(model, inputs)
+    remat.hf.enable(model, policies.save_matmuls)
+    _assert_exact(plain, _step(model, inputs))
+    assert _held_for_backward(model, inputs) < plain_held
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("gpt2", ["GPT2Block"]),
+        ("llama", ["LlamaDecoderLayer"]),
+        ("mistral", ["MistralDecoderLayer"]),
+        ("bert", ["BertLayer"]),  # BertEmbeddings is named too, but is not a repeated layer
+        ("t5", ["T5Block"]),
+        ("vit", ["ViTLayer"]),
+    ],
+)
+def test_layer_classes_come_from_no_split_modules(name: str, expected: list[str]) -> None:
+    assert [c.__name__ for c in remat.hf.layer_classes(_model(name))] == expected
+
+
+def test_cache_is_dropped_in_training_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    # With the cache on, each layer would append to it again in the recompute (remat's
+    # determinism check raises); enable() drops it in training, as Hugging Face does.
+    model, inputs = _model("llama"), _inputs("llama")
+    plain = _step(model, {**inputs, "use_cache": False})
+    remat.apply(model, remat.hf.layer_classes(model))
+    with pytest.raises(remat.CheckpointError):
+        _step(model, {**inputs, "use_cache": True})
+    for m in model.modules():
+        m.__dict__.pop("forward", None)
+
+    remat.hf._warned.clear()
+    remat.hf.enable(model)
+    with caplog.at_level(logging.WARNING, logger="remat.hf"):
+        _assert_exact(plain, _step(model, {**inputs, "use_cache": True}))
+    assert "LlamaDecoderLayer runs with use_cache=False, past_key_values=None" in caplog.text
+    # in evaluation (generation) the cache passes through
+    model.eval()
+    with torch.no_grad():
+        out = model(**inputs, use_cache=True)
+    assert out.past_key_values.get_seq_length() == SEQ
+
+
+def test_gpt2_positional_cache_is_dropped() -> None:
+    # GPT2Model passes the cache to its blocks positionally.
+    model, inputs = _model("gpt2"), _inputs("gpt2")
+    plain = _step(model, {**inputs, "use_cache": False})
+    remat.hf.enable(model)
+    _assert_exact(plain, _step(model, {**inputs, "use_cache": True}))
+
+
+def test_errors() -> None:
+    model = _model("gpt2")
+    with pytest.raises(remat.RematError, match="both policy= and budget="):
+        remat.hf.enable(model, policies.save_matmuls, budget="50%")
+    with pytest.raises(remat.RematError, match="no layer of GPT2LMHeadModel was enabled"):
+        remat.hf.disable(model)
+    remat.hf.enable(model)
+    with pytest.raises(remat.RematError, match="already enabled"):
+        remat.hf.enable(model)
+    remat.hf.disable(model)
+    with pytest.raises(remat.RematError, match="names no layer classes"):
+        remat.hf.enable(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(remat.RematError, match=r"expected an nn\.Module, got str"):
+        remat.hf.enable("gpt2")  # type: ignore[arg-type]
+
+
+def test_hugging_face_checkpointing_already_on_is_refused() -> None:
+    model = _model("llama")
+    for m in model.modules():
+        if hasattr(m, "gradient_checkpointing"):
+            m.gradient_checkpointing = True
+    with pytest.raises(remat.RematError, match="gradient_checkpointing_disable"):
+        remat.hf.enable(model)
+
+
+def test_budget_needs_the_planner(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, inputs = _model("gpt2"), _inputs("gpt2")
+    monkeypatch.delattr(remat, "fit", raising=False)
+    with pytest.raises(remat.RematError, match=r"needs the planner \(remat.fit\)"):
+        remat.hf.enable(model, budget="50%")
+
+    calls: list[tuple[Any, ...]] = []
+
+    def fit(model: nn.Module, example_inputs: Any, **kwargs: Any) -> None:
+        calls.append((model, example_inputs, kwargs))
+
+    loss_fn: Callable[[Any], Any] = lambda out: out.loss  # noqa: E731
+    monkeypatch.setattr(remat, "fit", fit, raising=False)
+    with pytest.raises(remat.RematError, match="pass example_inputs="):
+        remat.hf.enable(model, budget="50%")
+    remat.hf.enable(model, budget=2**20, example_inputs=inputs, loss_fn=loss_fn)
+    assert calls == [(model, inputs, {"budget": 2**20, "loss_fn": loss_fn})]
+
+
+def test_layers_by_name_and_a_deep_copy() -> None:
+    model, inputs = _model("gpt2"), _inputs("gpt2")
+    plain = _step(model, inputs)
+    remat.hf.enable(model, layers=["transformer.h.1"])
+    wrapped = [name for name, m in model.named_modules() if "forward" in m.__dict__]
+    assert wrapped == ["transformer.h.1"]
+    copy_ = copy.deepcopy(model)
+    _assert_exact(plain, _step(copy_, inputs))
+    remat.hf.disable(copy_)  # the copy carries its own regions and hooks
+    assert not any("forward" in m.__dict__ for m in copy_.modules())
+    assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == wrapped
