@@ -32,7 +32,8 @@ NOTE [ OffloadModel design ]
 5. Gradients. A slice's backward computes, per micro-batch, the gradients of its trainable
    parameters (``torch.autograd.grad``, never ``AccumulateGrad``) and sums them in reverse
    micro-batch order, which is the order in which autograd sums them in the reference run; then
-   ``new = old + sum`` as ``AccumulateGrad`` does, stored on the offload device.
+   ``new = old + sum`` as ``AccumulateGrad`` does, stored on the offload device: on
+   ``param.grad`` with ``"cpu"`` (host tensors), in files with ``"disk"``.
 6. The reference that gradients equal bit for bit: the same modules run plainly on the same
    micro-batches in the same slice-major order, outputs concatenated::
 
@@ -53,8 +54,10 @@ NOTE [ OffloadModel design ]
 8. All or nothing. Nothing already stored is overwritten: backward and ``step()`` store new
    copies, wait for every write (``flush``), and only then switch to them, dropping the old. If
    a write fails (disk full) the error is raised and the model, gradients and optimizer state
-   are as they were before the call. With ``offload_device="cpu"`` and a CPU compute device the
-   host copies *are* the tensors and the step updates them in place, like a plain optimizer.
+   are as they were before the call; the call's new copies are freed before the error leaves
+   it (``Stored.free``), so that an error kept for reporting keeps no file. With
+   ``offload_device="cpu"`` and a CPU compute device the host copies *are* the tensors and
+   the step updates them in place, like a plain optimizer.
 
 NOTE [ Life of a slice in one training step ]
 
