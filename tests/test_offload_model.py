@@ -893,3 +893,20 @@ def test_offload_device_other_torch_device_is_refused() -> None:
         OffloadModel(
             [nn.Linear(2, 2)], device="cpu", offload_device=torch.device("meta"), num_slices=1
         )  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("offload_device", ["cpu", "disk"])
+def test_clip_grad_norm_equals_torch(offload_device: str, tmp_path: Path) -> None:
+    """Reference: ``torch.nn.utils.clip_grad_norm_`` over the plain modules' parameters.
+    ``model.clip_grad_norm_`` (slice by slice on disk) returns the same total norm and leaves
+    the same gradients, for a norm above and below ``max_norm`` and for the inf norm."""
+    plain = nn.Sequential(*small_modules())
+    model = offload(small_modules(), tmp_path, num_slices=2, offload_device=offload_device)
+    for m in (plain, model):
+        torch.manual_seed(0)
+        m(torch.randn(4, 6, generator=torch.Generator().manual_seed(0))).square().sum().backward()
+    for max_norm, norm_type in ((0.05, 2.0), (1e3, 2.0), (0.01, float("inf"))):
+        expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm, norm_type)
+        got = model.clip_grad_norm_(max_norm, norm_type)
+        assert torch.equal(got, expected)
+        assert_grads_equal(plain, model)

@@ -110,6 +110,7 @@ from ._build import (
     _modules,
     _offload_device,
 )
+from ._clip import clip_grad_norm
 from ._slices import Slice
 from ._stand_ins import internal
 from ._stored import OffloadDevice, Place, Stored
@@ -368,6 +369,13 @@ class OffloadModel(nn.Module):
         sl.unload(new_params)
         _restore_grads(sl, held)
         return new_params, new_state, keys
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every gradient, also with ``"disk"``, where
+        it runs slice by slice (``_clip.py``); returns the total norm before clipping."""
+        if self.offload_device == "cpu":
+            return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+        return clip_grad_norm(self._slices, self._place, float(max_norm), float(norm_type))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients (``set_to_none=False``: make them zeros instead)."""

@@ -39,7 +39,8 @@ MESSAGE = (
     "remat: OffloadModel(offload_device='disk') keeps parameters, gradients and optimizer "
     "state in files, and expected its stand-ins not to be used, found {what}. Train with "
     "model.configure_optimizer(factory) and model.step() (not an optimizer over "
-    "model.parameters(), not clip_grad_norm_), read gradients with model.named_grads(), save "
+    "model.parameters()), clip with model.clip_grad_norm_(), read gradients with "
+    "model.named_grads(), save "
     "with model.state_dict() and model.optimizer_state_dict(); or use offload_device='cpu'."
 )
 
