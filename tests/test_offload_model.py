@@ -8,9 +8,11 @@ the plain model itself.
 
 from __future__ import annotations
 
+import copy
 import errno
 import gc
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -595,3 +597,316 @@ def test_disk_tier_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "remat.store.disk", None)
     with pytest.raises(RematError, match="offload_device='disk', found it unavailable"):
         OffloadModel([nn.Linear(2, 2)], device="cpu", offload_device="disk", num_slices=1)
+
+
+# -- the user's own loop (issue 14, 1) -------------------------------------------------------
+
+
+def small_modules(seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 8), nn.Linear(8, 3)]
+
+
+@pytest.mark.parametrize("offload_device", ["cpu", torch.device("cpu")])
+def test_fairscale_loop_on_cpu_trains_like_plain(offload_device: Any, tmp_path: Path) -> None:
+    """Reference: the plain modules with one SGD over their parameters. fairscale's loop over
+    ``model.parameters()`` (two backward calls accumulating, clip_grad_norm_, step, the
+    optimizer's zero_grad) gives the same gradients on ``param.grad``, the same norm and the
+    same parameters; ``torch.device("cpu")`` is fairscale's spelling of "cpu"."""
+    plain = nn.Sequential(*small_modules())
+    model = OffloadModel(small_modules(), device="cpu", offload_device=offload_device, num_slices=2)
+    assert model.offload_device == "cpu"
+    runs = []
+    for m in (plain, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        record = []
+        for step in range(2):
+            torch.manual_seed(step)
+            for half in range(2):  # accumulation over two backward calls
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2 * step + half))
+                m(x).square().mean().backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+            record += [norm] + [p.grad.clone() for p in m.parameters()]  # type: ignore[union-attr]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            record += [p.detach().clone() for p in m.parameters()]
+        runs.append(record)
+    assert runs[1][0] > 0
+    for i, (a, b) in enumerate(zip(*runs, strict=True)):
+        assert torch.equal(a, b), i
+    assert grads_of(model) == {n: None for n, _ in model.named_grads()}
+
+
+def test_cpu_gradients_are_param_grad(tmp_path: Path) -> None:
+    """With "cpu", ``named_grads`` and ``param.grad`` are one thing: a gradient the user scales
+    in place is the one ``model.step()`` applies, and ``zero_grad`` of either clears both."""
+    model = OffloadModel(small_modules(), device="cpu", offload_device="cpu", num_slices=2)
+    model.configure_optimizer(lambda ps: torch.optim.SGD(ps, lr=1.0))
+    model(torch.randn(4, 6)).sum().backward()
+    named = dict(model.named_parameters())
+    for name, g in model.named_grads():
+        assert g is not None and named[f"module.{name}"].grad is g
+    for p in model.parameters():
+        p.grad.mul_(0)  # type: ignore[union-attr]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.step()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    model.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_disk_stand_ins_raise_and_say_what_to_use(tmp_path: Path) -> None:
+    """With "disk" the parameters and the per-slice optimizer state are empty stand-ins: each
+    path that would silently do nothing with them raises a RematError naming the API to use."""
+    model = offload(small_modules(), tmp_path, num_slices=2)
+    use = "configure_optimizer.*model.step"
+    with pytest.raises(RematError, match=use):
+        torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 6)).sum().backward()
+    weight = model.module[0].weight
+    for action in (
+        lambda: weight.grad,
+        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+        lambda: model.module.state_dict(),
+        lambda: [p.sum() for _, p in model.named_parameters()],
+        lambda: torch.save(weight, tmp_path / "w.pt"),
+    ):
+        with pytest.raises(RematError, match=use):
+            action()
+    model.configure_optimizer(lambda ps: torch.optim.AdamW(ps, lr=0.1))
+    model.step()
+    with pytest.raises(RematError, match="optimizer_state_dict"):
+        torch.save(model.optimizers[0].state_dict(), tmp_path / "o.pt")
+    # What to use instead works, and remat's own paths are unaffected.
+    assert all(g is not None and g.shape != (0,) for _, g in model.named_grads())
+    assert model.state_dict()["0.weight"].shape == (8, 6)
+    model.zero_grad()
+    model(torch.randn(4, 6)).sum().backward()
+    model.step()
+
+
+# -- checkpoints (issue 14, 2) ---------------------------------------------------------------
+
+
+class Parent(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, 6)
+        self.body = body
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(x)))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("offload_device", ["cpu", "disk"])
+def test_state_dict_inside_a_parent(offload_device: str, tmp_path: Path) -> None:
+    """Reference: the same parent with a plain ``nn.Sequential`` body. The parent's state dict
+    has its keys and values; the plain parent's state dict of other weights loads into the
+    offloaded one (and back), which then computes what the plain one computes; a missing key is
+    reported by torch's strict check."""
+    torch.manual_seed(0)
+    plain = Parent(nn.Sequential(*small_modules(0))).eval()
+    torch.manual_seed(0)
+    parent = Parent(
+        offload(small_modules(0), tmp_path, offload_device=offload_device, num_slices=2)
+    ).eval()
+    expected, got = plain.state_dict(), parent.state_dict()
+    assert list(got) == list(expected)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+    torch.manual_seed(1)
+    other = Parent(nn.Sequential(*small_modules(1))).eval()
+    result = parent.load_state_dict(other.state_dict())
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    x = torch.randn(3, 5)
+    with torch.no_grad():
+        assert torch.equal(parent(x), other(x))
+    plain.load_state_dict(parent.state_dict())
+    with torch.no_grad():
+        assert torch.equal(plain(x), other(x))
+    partial = {k: v for k, v in other.state_dict().items() if k != "body.3.bias"}
+    with pytest.raises(RuntimeError, match=r'Missing key.*"body\.3\.bias"'):
+        parent.load_state_dict(partial)
+    result = parent.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["body.3.bias"]
+
+
+def test_copy_and_pickle(tmp_path: Path) -> None:
+    """A disk model cannot be copied (its parameters are in its own files): deepcopy and pickle
+    raise a RematError naming the checkpoint API. A "cpu" model is copied like a module."""
+    model = offload(small_modules(), tmp_path, num_slices=2)
+    with pytest.raises(RematError, match="optimizer_state_dict"):
+        copy.deepcopy(model)
+    with pytest.raises(RematError, match="optimizer_state_dict"):
+        pickle.dumps(model)
+    host = OffloadModel(small_modules(), device="cpu", offload_device="cpu", num_slices=2)
+    twin = copy.deepcopy(host)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        assert torch.equal(twin.eval()(x), host.eval()(x))
+
+
+def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("offload_device", ["cpu", "disk"])
+def test_optimizer_state_round_trip_adamw(offload_device: str, tmp_path: Path) -> None:
+    """Reference: the plain modules with one AdamW, four steps. OffloadModel on disk takes two,
+    saves ``state_dict()`` and ``optimizer_state_dict()`` with torch.save (AdamW's moments equal
+    the plain optimizer's), a new OffloadModel loads both and takes two more: its parameters
+    equal the plain run's."""
+    plain = nn.Sequential(*small_modules())
+    optimizer = adamw(list(plain.parameters()))
+    model = offload(small_modules(), tmp_path, num_slices=2, offload_device=offload_device)
+    model.configure_optimizer(adamw)
+
+    def step(m: nn.Module, k: int) -> None:
+        torch.manual_seed(k)
+        m(torch.randn(4, 6, generator=torch.Generator().manual_seed(k))).square().mean().backward()
+
+    for k in range(2):
+        step(plain, k), optimizer.step(), optimizer.zero_grad()  # type: ignore[func-returns-value]
+        step(model, k), model.step(), model.zero_grad()  # type: ignore[func-returns-value]
+    saved = model.optimizer_state_dict()
+    moments = [s for sd in saved["slices"] for s in sd["state"].values()]
+    expected = [optimizer.state[p] for p in plain.parameters()]
+    assert len(moments) == len(expected) == 6
+    for got, want in zip(moments, expected, strict=True):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[key], want[key]), key
+    torch.save({"model": model.state_dict(), "optim": saved}, tmp_path / "ckpt.pt")
+    model.close()
+
+    resumed = offload(small_modules(seed=5), tmp_path, num_slices=2, offload_device=offload_device)
+    resumed.configure_optimizer(adamw)
+    checkpoint = torch.load(tmp_path / "ckpt.pt")
+    resumed.load_state_dict(checkpoint["model"])
+    resumed.load_optimizer_state_dict(checkpoint["optim"])
+    for k in range(2, 4):
+        step(plain, k), optimizer.step(), optimizer.zero_grad()  # type: ignore[func-returns-value]
+        step(resumed, k), resumed.step(), resumed.zero_grad()  # type: ignore[func-returns-value]
+    state = resumed.state_dict()
+    for (name, p), key in zip(plain.named_parameters(), state, strict=True):
+        assert torch.equal(state[key], p.detach()), name
+    with pytest.raises(RematError, match="with 2 slices, found 1"):
+        resumed.load_optimizer_state_dict({"slices": [None]})
+
+
+_RESUME = """
+    import sys, torch
+    from torch import nn
+    from remat.offload_model import OffloadModel
+    path = sys.argv[1]
+    torch.manual_seed(3)
+    layers = [nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 8), nn.Linear(8, 3)]
+    model = OffloadModel(layers, device="cpu", offload_device="disk", num_slices=2,
+                         disk_directory=path)
+    model.configure_optimizer(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+    checkpoint = torch.load(path + "/ckpt.pt")
+    model.load_state_dict(checkpoint["model"])
+    model.load_optimizer_state_dict(checkpoint["optim"])
+    for k in range(2, 4):
+        torch.manual_seed(k)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(k))
+        model(x).square().mean().backward()
+        model.step()
+        model.zero_grad()
+    torch.save(model.state_dict(), path + "/resumed.pt")
+"""
+
+
+def test_save_restart_resume_in_a_fresh_process(tmp_path: Path) -> None:
+    """Reference: four uninterrupted steps of an OffloadModel on disk with AdamW. The same
+    model saved after two, resumed in a fresh process for two more, ends with the same
+    parameters, bit for bit."""
+    model = offload(small_modules(), tmp_path, num_slices=2)
+    model.configure_optimizer(adamw)
+    for k in range(4):
+        if k == 2:
+            torch.save(
+                {"model": model.state_dict(), "optim": model.optimizer_state_dict()},
+                tmp_path / "ckpt.pt",
+            )
+        torch.manual_seed(k)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(k))
+        model(x).square().mean().backward()
+        model.step()
+        model.zero_grad()
+    done = _python(_RESUME, tmp_path)
+    assert done.returncode == 0, done.stderr
+    resumed = torch.load(tmp_path / "resumed.pt")
+    expected = model.state_dict()
+    assert list(resumed) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(resumed[key], value), key
+
+
+# -- a failed step frees its copies (issue 14, 3) --------------------------------------------
+
+
+def test_failed_step_and_backward_free_their_files(
+    tmp_path: Path, full_disk: dict[str, bool]
+) -> None:
+    """A step (and a backward) that fails on a full disk: while the caller still holds the
+    error, the files are exactly those from before the call (its new copies are gone), and the
+    next step succeeds once the disk has room, equal to the plain run."""
+    plain = nn.Sequential(*small_modules())
+    optimizer = adamw(list(plain.parameters()))
+    model = offload(small_modules(), tmp_path, num_slices=2, checkpoint_activation=True)
+    model.configure_optimizer(adamw)
+    for k in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(k))
+        torch.manual_seed(k)
+        plain(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.manual_seed(k)
+        loss = model(x).square().mean()
+        model._place.flush()
+        if k == 1:
+            before = set(files_in(tmp_path))
+            full_disk["full"] = True
+            with pytest.raises(RematError, match="ENOSPC") as failed_backward:
+                loss.backward(retain_graph=True)
+            assert set(files_in(tmp_path)) == before
+            full_disk["full"] = False
+        loss.backward()
+        if k >= 1:
+            before = set(files_in(tmp_path))
+            full_disk["full"] = True
+            with pytest.raises(RematError, match="ENOSPC") as failed_step:
+                model.step()
+            assert set(files_in(tmp_path)) == before, "the failed step's copies are left"
+            full_disk["full"] = False
+        model.step()
+        model.zero_grad()
+    assert failed_backward.value is not None and failed_step.value is not None
+    state = model.state_dict()
+    for (name, p), key in zip(plain.named_parameters(), state, strict=True):
+        assert torch.equal(state[key], p.detach()), name
+
+
+def test_offload_device_other_torch_device_is_refused() -> None:
+    with pytest.raises(RematError, match=r"torch\.device\('cpu'\), found device\(type='meta'\)"):
+        OffloadModel(
+            [nn.Linear(2, 2)], device="cpu", offload_device=torch.device("meta"), num_slices=1
+        )  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("offload_device", ["cpu", "disk"])
+def test_clip_grad_norm_equals_torch(offload_device: str, tmp_path: Path) -> None:
+    """Reference: ``torch.nn.utils.clip_grad_norm_`` over the plain modules' parameters.
+    ``model.clip_grad_norm_`` (slice by slice on disk) returns the same total norm and leaves
+    the same gradients, for a norm above and below ``max_norm`` and for the inf norm."""
+    plain = nn.Sequential(*small_modules())
+    model = offload(small_modules(), tmp_path, num_slices=2, offload_device=offload_device)
+    for m in (plain, model):
+        torch.manual_seed(0)
+        m(torch.randn(4, 6, generator=torch.Generator().manual_seed(0))).square().sum().backward()
+    for max_norm, norm_type in ((0.05, 2.0), (1e3, 2.0), (0.01, float("inf"))):
+        expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm, norm_type)
+        got = model.clip_grad_norm_(max_norm, norm_type)
+        assert torch.equal(got, expected)
+        assert_grads_equal(plain, model)

@@ -21,6 +21,7 @@ from .._ambient import Ambient
 from .._guard import WriteGuard
 from ..errors import RematError
 from ._slices import Slice
+from ._stand_ins import internal
 from ._stored import Place, Stored
 
 __all__: list[str] = []
@@ -89,6 +90,14 @@ class Pass:
         self.inputs = [[] for _ in self.slices]
         self.ambients = [[] for _ in self.slices]
         self.kept = [None for _ in self.slices]
+        self.drop_pending()
+
+    def drop_pending(self) -> None:
+        """Free the gradients of a backward that failed: now, not when an error's traceback
+        lets go of them (see [ Life of a slice in one training step ] step 7)."""
+        for stored, _ in self.pending.values():
+            if stored is not None:
+                stored.free()
         self.pending.clear()
 
     # -- forward ---------------------------------------------------------------------------
@@ -177,7 +186,8 @@ class Pass:
             )
         if index > 0:
             self.slices[index - 1].prefetch(self.device)
-        trainable = [i for i, p in enumerate(sl.params) if p.requires_grad]
+        with internal():
+            trainable = [i for i, p in enumerate(sl.params) if p.requires_grad]
         acc: list[torch.Tensor | None] = [None] * len(sl.params)
         chunks: tuple[torch.Tensor, ...] = (grad,)
         if self.microbatches > 1:
@@ -252,8 +262,7 @@ class Pass:
         once every byte of them is safely stored (else raise, and keep the old ones)."""
         self.place.flush()
         for index, (stored, positions) in self.pending.items():
-            sl = self.slices[index]
-            sl.grads, sl.grad_positions = stored, positions
+            self.slices[index].commit_grads(stored, positions)
         self.pending.clear()
 
 
@@ -319,7 +328,7 @@ class _SliceFunction(torch.autograd.Function):
             if ctx.index == 0:
                 run.commit()
         except BaseException:
-            run.pending.clear()  # gradients stay as they were before this backward
+            run.drop_pending()  # gradients stay as they were before this backward
             raise
         return None, None, None, input_grad
 

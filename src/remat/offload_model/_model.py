@@ -32,7 +32,8 @@ NOTE [ OffloadModel design ]
 5. Gradients. A slice's backward computes, per micro-batch, the gradients of its trainable
    parameters (``torch.autograd.grad``, never ``AccumulateGrad``) and sums them in reverse
    micro-batch order, which is the order in which autograd sums them in the reference run; then
-   ``new = old + sum`` as ``AccumulateGrad`` does, stored on the offload device.
+   ``new = old + sum`` as ``AccumulateGrad`` does, stored on the offload device: on
+   ``param.grad`` with ``"cpu"`` (host tensors), in files with ``"disk"``.
 6. The reference that gradients equal bit for bit: the same modules run plainly on the same
    micro-batches in the same slice-major order, outputs concatenated::
 
@@ -53,8 +54,10 @@ NOTE [ OffloadModel design ]
 8. All or nothing. Nothing already stored is overwritten: backward and ``step()`` store new
    copies, wait for every write (``flush``), and only then switch to them, dropping the old. If
    a write fails (disk full) the error is raised and the model, gradients and optimizer state
-   are as they were before the call. With ``offload_device="cpu"`` and a CPU compute device the
-   host copies *are* the tensors and the step updates them in place, like a plain optimizer.
+   are as they were before the call; the call's new copies are freed before the error leaves
+   it (``Stored.free``), so that an error kept for reporting keeps no file. With
+   ``offload_device="cpu"`` and a CPU compute device the host copies *are* the tensors and
+   the step updates them in place, like a plain optimizer.
 
 NOTE [ Life of a slice in one training step ]
 
@@ -77,31 +80,42 @@ For slice ``s`` of ``S``, ``M`` micro-batches, ``checkpoint_activation=True``:
 8. the boundary inputs stay until the graph is freed (a second backward reruns from them).
 
 What is where: parameters of an offloaded slice read as their host copies
-(``offload_device="cpu"``) or as empty tensors of their dtype (``"disk"``); buffers of an
-offloaded slice wait in host memory; gradients are held by the OffloadModel, not by
-``param.grad`` (read them with :meth:`OffloadModel.named_grads`).
+(``offload_device="cpu"``) or as stand-ins that raise when used (``"disk"``, NOTE [ Stand-ins
+that raise ] in ``_stand_ins.py``); buffers of an offloaded slice wait in host memory.
+Gradients: with ``"cpu"`` on ``param.grad`` after backward (host tensors), so that a user's
+own optimizer over ``model.parameters()``, ``clip_grad_norm_`` and ``zero_grad`` work as on a
+plain model; with ``"disk"`` in files, read with :meth:`OffloadModel.named_grads`. Checkpoints:
+NOTE [ OffloadModel checkpoints ] in ``_checkpoint.py``.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ..errors import RematError, did_you_mean
+from ..errors import RematError
+from . import _checkpoint
 from ._autograd import Pass, checked, run_slices
-from ._slices import Slice, partition
+from ._build import (
+    _check_disk_available,
+    _check_int,
+    _device,
+    _make_slices,
+    _modules,
+    _offload_device,
+)
+from ._clip import clip_grad_norm
+from ._slices import Slice
+from ._stand_ins import internal
 from ._stored import OffloadDevice, Place, Stored
 
 __all__ = ["OffloadModel"]
-
-_OFFLOAD_DEVICES = ("cpu", "disk")
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -113,7 +127,8 @@ class OffloadModel(nn.Module):
         model: an ``nn.Sequential`` or a list of modules, each feeding the next.
         device: the compute device (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
         offload_device: where parameters, gradients, optimizer state and slice-boundary
-            activations wait: ``"cpu"`` (host memory, pinned when ``device`` is CUDA) or
+            activations wait: ``"cpu"`` or ``torch.device("cpu")`` (host memory, pinned when
+            ``device`` is CUDA; gradients on ``param.grad``, so a user's own loop works) or
             ``"disk"`` (files of a :class:`~remat.store.disk.DiskTier`; meant for training on
             the CPU, also allowed with CUDA, through host memory).
         num_slices: how many contiguous groups of modules to split ``model`` into, balanced by
@@ -134,6 +149,12 @@ class OffloadModel(nn.Module):
         model.step()
         model.zero_grad()
 
+    With ``offload_device="cpu"`` a plain loop works too (``opt =
+    torch.optim.AdamW(model.parameters())``, ``clip_grad_norm_``, ``opt.step()``). With
+    ``"disk"`` the parameters are stand-ins that raise when used: train with
+    ``configure_optimizer`` and ``step``. Checkpoint with ``state_dict()`` and
+    ``optimizer_state_dict()``.
+
     The forward pass takes one tensor (rows along dim 0) and returns one tensor on ``device``;
     each slice, too, must pass one tensor to the next. See NOTE [ OffloadModel design ] in this
     module for the exact semantics, and NOTE [ Life of a slice in one training step ].
@@ -144,7 +165,7 @@ class OffloadModel(nn.Module):
         model: nn.Sequential | Sequence[nn.Module],
         *,
         device: str | torch.device,
-        offload_device: OffloadDevice,
+        offload_device: OffloadDevice | torch.device,
         num_slices: int,
         num_microbatches: int = 1,
         checkpoint_activation: bool = False,
@@ -153,7 +174,7 @@ class OffloadModel(nn.Module):
         super().__init__()
         modules = _modules(model)
         self.device = _device(device)
-        _check_choice("offload_device", offload_device, _OFFLOAD_DEVICES)
+        offload_device = _offload_device(offload_device)
         _check_int("num_slices", num_slices, 1, len(modules), "the number of modules")
         _check_int("num_microbatches", num_microbatches, 1, None, "")
         if not isinstance(checkpoint_activation, bool):
@@ -173,6 +194,10 @@ class OffloadModel(nn.Module):
         except BaseException:
             self._place.close()
             raise
+        self._inner_prefix: str | None = None  # see NOTE [ OffloadModel checkpoints ] 1
+        self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+            _checkpoint.forget_inner_missing
+        )
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -255,11 +280,13 @@ class OffloadModel(nn.Module):
             )
         optimizers: list[torch.optim.Optimizer | None] = []
         for sl in self._slices:
-            params = [p for p in sl.params if p.requires_grad]
+            with internal():
+                params = [p for p in sl.params if p.requires_grad]
             if not params:
                 optimizers.append(None)
                 continue
-            optimizer = factory(params)
+            with internal():  # the optimizer looks at the parameters: stand-ins, on disk
+                optimizer = factory(params)
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise RematError(
                     f"remat: OffloadModel.configure_optimizer expected the factory to return a "
@@ -288,7 +315,7 @@ class OffloadModel(nn.Module):
         done: list[tuple[Slice, dict[Any, Any], Stored, Stored | None, list[Any]]] = []
         try:
             for sl in self._slices:
-                if sl.optimizer is None or sl.grads is None:
+                if sl.optimizer is None or not sl.has_grads():
                     continue
                 before = {p: dict(state) for p, state in sl.optimizer.state.items()}
                 try:
@@ -300,65 +327,82 @@ class OffloadModel(nn.Module):
                 done.append((sl, before, new_params, new_state, keys))
             self._place.flush()
         except BaseException:
-            for sl, before, _, _, _ in done:
+            # The new copies are freed now: an error kept for reporting must not keep their
+            # files (see NOTE [ OffloadModel design ] 8).
+            for sl, before, new_params, new_state, _ in done:
                 assert sl.optimizer is not None
                 sl.optimizer.state.clear()
                 sl.optimizer.state.update(before)
                 sl.unload()
+                for new in (new_params, new_state):
+                    if new is not None and new is not sl.stored:
+                        new.free()
             raise
         for sl, _, new_params, new_state, keys in done:
             sl.stored, sl.state, sl.state_keys = new_params, new_state, keys
 
     def _step_slice(self, sl: Slice) -> tuple[Stored, Stored | None, list[Any]]:
         assert sl.optimizer is not None
+        held = [p.grad for p in sl.params] if sl.grads_on_params else None
+        new_params: Stored | None = None
         sl.load(self.device)
         try:
-            for p, g in zip(sl.params, sl.load_grads(self.device), strict=True):
-                p.grad = g
-            sl.load_state(self.device)
-            sl.optimizer.step()
-            new_params = sl.stored if self._place.in_place else self._place.store(list(sl.params))
-            new_state, keys = sl.store_state()
+            try:
+                for p, g in zip(sl.params, sl.load_grads(self.device), strict=True):
+                    p.grad = g
+                sl.load_state(self.device)
+                sl.optimizer.step()
+                if self._place.in_place:
+                    new_params = sl.stored
+                else:
+                    new_params = self._place.store(list(sl.params))
+                new_state, keys = sl.store_state()
+            finally:
+                for p in sl.params:
+                    p.grad = None
         except BaseException:
+            if new_params is not None and new_params is not sl.stored:
+                new_params.free()
             sl.unload()
+            _restore_grads(sl, held)
             raise
-        finally:
-            for p in sl.params:
-                p.grad = None
         sl.unload(new_params)
+        _restore_grads(sl, held)
         return new_params, new_state, keys
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every gradient, also with ``"disk"``, where
+        it runs slice by slice (``_clip.py``); returns the total norm before clipping."""
+        if self.offload_device == "cpu":
+            return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+        return clip_grad_norm(self._slices, self._place, float(max_norm), float(norm_type))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients (``set_to_none=False``: make them zeros instead)."""
         for sl in self._slices:
-            if sl.grads is None:
-                continue
-            if set_to_none:
-                sl.grads, sl.grad_positions = None, []
-                continue
-            zeros = [torch.zeros_like(g) for g in sl.grads.load(torch.device("cpu"))]
-            sl.grads = self._place.store(zeros)
+            sl.clear_grads(set_to_none)
         self._place.flush()
 
-    # -- state dict ------------------------------------------------------------------------
+    # -- checkpoints: NOTE [ OffloadModel checkpoints ] in _checkpoint.py -------------------
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped model's state dict: its keys, with every tensor gathered to the CPU."""
-        if args or kwargs:
+    def state_dict(  # type: ignore[override]
+        self,
+        *args: Any,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> dict[str, Any]:
+        """The wrapped model's state dict: its keys (after ``prefix``, as a parent module
+        passes it), every tensor's real value gathered to the CPU. ``keep_vars`` is ignored:
+        the parameters' values are copies, the parameters may be stand-ins."""
+        if args:
             raise RematError(
-                "remat: OffloadModel.state_dict expected no arguments, found some. Call "
-                "model.state_dict() and copy into your own dict."
+                "remat: OffloadModel.state_dict expected keyword arguments only (destination=, "
+                "prefix=, keep_vars=), found positional ones. Pass them by name."
             )
-        values: dict[int, torch.Tensor] = {}
-        cpu = torch.device("cpu")
-        for sl in self._slices:
-            for p, t in zip(sl.params, sl.stored.load(cpu), strict=True):
-                values[id(p)] = t
-        out: dict[str, Any] = OrderedDict()
-        for name, value in self.module.state_dict(keep_vars=True).items():
-            if isinstance(value, torch.Tensor):
-                value = values.get(id(value), value).detach()
-            out[name] = value
+        out: dict[str, Any] = OrderedDict() if destination is None else destination
+        for key, value in _checkpoint.gather(self.module, self._slices).items():
+            out[prefix + key] = value
         return out
 
     def load_state_dict(
@@ -370,7 +414,7 @@ class OffloadModel(nn.Module):
                 "remat: OffloadModel.load_state_dict expected assign=False, found True: the "
                 "offloaded copies are OffloadModel's own. Drop assign=True."
             )
-        own = self.module.state_dict(keep_vars=True)
+        own = _checkpoint.own_keys(self.module)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
@@ -379,36 +423,46 @@ class OffloadModel(nn.Module):
                 f"{len(missing)} missing ({', '.join(missing[:5])}) and {len(unexpected)} "
                 f"unexpected ({', '.join(unexpected[:5])}). Pass strict=False to load a subset."
             )
-        name_of = {id(v): k for k, v in own.items()}
-        new: list[tuple[Slice, Stored]] = []
-        for sl in self._slices:
-            keys = [name_of[id(p)] for p in sl.params]
-            if not any(k in state_dict for k in keys):
-                continue
-            current = sl.stored.load(torch.device("cpu"))
-            tensors = []
-            for key, old in zip(keys, current, strict=True):
-                value = state_dict.get(key)
-                if value is None:
-                    tensors.append(old.clone() if self._place.in_place else old)
-                    continue
-                if value.shape != old.shape:
-                    raise RematError(
-                        f"remat: OffloadModel.load_state_dict expected {key} of shape "
-                        f"{tuple(old.shape)}, found {tuple(value.shape)}."
-                    )
-                tensors.append(value.detach().to("cpu", old.dtype, copy=True))
-            new.append((sl, self._place.store(tensors)))
-        self._place.flush()
-        param_ids = {id(p) for sl in self._slices for p in sl.params}
-        with torch.no_grad():
-            for key, target in own.items():
-                if id(target) not in param_ids and key in state_dict:
-                    target.copy_(state_dict[key])
-        for sl, stored in new:
-            sl.stored = stored
-            sl.unload()
+        _checkpoint.load(self.module, self._slices, self._place, state_dict)
         return _IncompatibleKeys(missing, unexpected)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # A parent's load_state_dict: take this model's keys out (NOTE point 1).
+        own = _checkpoint.own_keys(self.module)
+        mine = {}
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            value = state_dict.pop(key)
+            if key[len(prefix) :] in own:
+                mine[key[len(prefix) :]] = value
+            else:
+                unexpected_keys.append(key)
+        missing_keys.extend(prefix + k for k in own if k not in mine)
+        self._inner_prefix = prefix + "module."
+        _checkpoint.load(self.module, self._slices, self._place, mine)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The per-slice optimizers' state with real values on the CPU, for ``torch.save``:
+        ``{"slices": [slice 0's optimizer.state_dict() or None, ...]}``."""
+        return _checkpoint.optimizer_state(self._slices)
+
+    def load_optimizer_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load what :meth:`optimizer_state_dict` returned, after ``configure_optimizer``
+        with the same factory; all or nothing."""
+        _checkpoint.load_optimizer_state(self._slices, self._place, self.device, state_dict)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self.offload_device == "disk":
+            _refuse_copy()
+        return super().__reduce_ex__(protocol)
 
     # -- placement -------------------------------------------------------------------------
 
@@ -432,134 +486,16 @@ class OffloadModel(nn.Module):
         )
 
 
-# -- construction helpers --------------------------------------------------------------------
+def _restore_grads(sl: Slice, held: list[torch.Tensor | None] | None) -> None:
+    if held is not None:
+        for p, g in zip(sl.params, held, strict=True):
+            p.grad = g
 
 
-def _modules(model: object) -> list[nn.Module]:
-    sequence = isinstance(model, (list, tuple)) and all(isinstance(m, nn.Module) for m in model)
-    if isinstance(model, nn.Sequential) or sequence:
-        modules: list[nn.Module] = list(model)  # type: ignore[call-overload]
-    else:
-        kind = type(model).__name__
-        if isinstance(model, (list, tuple)):
-            bad = next(m for m in model if not isinstance(m, nn.Module))
-            kind = f"a {type(model).__name__} holding a {type(bad).__name__}"
-        raise RematError(
-            f"remat: OffloadModel expected an nn.Sequential or a list of nn.Module, found "
-            f"{kind}. Pass the model's layers in forward order, e.g. "
-            "OffloadModel(nn.Sequential(embed, *blocks, head), ...)."
-        )
-    if not modules:
-        raise RematError(
-            "remat: OffloadModel expected at least one module, found an empty sequence."
-        )
-    return modules
-
-
-def _device(device: object) -> torch.device:
-    try:
-        parsed: torch.device = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError) as error:
-        raise RematError(
-            f"remat: OffloadModel expected a device such as 'cpu' or 'cuda:0', found "
-            f"{device!r} ({error})."
-        ) from None
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RematError(
-                f"remat: OffloadModel expected a usable compute device, found {device!r} but "
-                "CUDA is not available. Pass device='cpu'."
-            )
-        return torch.device(
-            "cuda", torch.cuda.current_device() if parsed.index is None else parsed.index
-        )
-    if parsed.type != "cpu":
-        raise RematError(
-            f"remat: OffloadModel expected device 'cpu' or 'cuda[:N]', found {device!r}."
-        )
-    return parsed
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        hint = did_you_mean(value, choices) if isinstance(value, str) else ""
-        raise RematError(
-            f"remat: OffloadModel expected {name} to be one of {', '.join(map(repr, choices))}, "
-            f"found {value!r}{hint}."
-        )
-
-
-def _check_int(name: str, value: object, low: int, high: int | None, high_what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RematError(
-            f"remat: OffloadModel expected {name} to be an int, found {value!r} "
-            f"({type(value).__name__})."
-        )
-    if value < low or (high is not None and value > high):
-        upper = f" and at most {high} ({high_what})" if high is not None else ""
-        raise RematError(
-            f"remat: OffloadModel expected {name} to be at least {low}{upper}, found {value}."
-        )
-
-
-def _check_disk_available() -> None:
-    try:
-        importlib.import_module("remat.store.disk")
-    except ImportError as error:
-        raise RematError(
-            f"remat: OffloadModel expected the disk tier (remat.store.disk) for "
-            f"offload_device='disk', found it unavailable ({error}). Use offload_device='cpu'."
-        ) from error
-
-
-def _make_slices(
-    sequential: nn.Sequential, modules: list[nn.Module], num_slices: int, place: Place
-) -> list[Slice]:
-    # Each parameter belongs to the first module that holds it; sharing across slices is refused.
-    owner: dict[int, int] = {}
-    params_of: list[list[tuple[str, nn.Parameter]]] = []
-    prefixes = [name for name, _ in sequential.named_children()]
-    for i, module in enumerate(modules):
-        found = []
-        for name, p in module.named_parameters():
-            if id(p) not in owner:
-                owner[id(p)] = i
-                found.append((f"{prefixes[i]}.{name}", p))
-        params_of.append(found)
-    weights = [sum(p.numel() * p.element_size() for _, p in ps) for ps in params_of]
-    ranges = partition(weights, num_slices)
-    slice_of = {i: s for s, r in enumerate(ranges) for i in r}
-    shared = []
-    for i, module in enumerate(modules):
-        for name, p in module.named_parameters():
-            if slice_of[owner[id(p)]] != slice_of[i]:
-                first = slice_of[owner[id(p)]]
-                shared.append(f"{prefixes[i]}.{name} (slices {first} and {slice_of[i]})")
-    if shared:
-        raise RematError(
-            f"remat: OffloadModel expected every parameter to belong to one slice, found "
-            f"{len(shared)} shared across slices: {', '.join(shared[:5])}. Change num_slices "
-            "so that modules sharing parameters fall in one slice, or untie the parameters."
-        )
-    slices: list[Slice] = []
-    originals = [(p, p.data) for ps in params_of for _, p in ps]
-    try:
-        for s, span in enumerate(ranges):
-            named = [np for i in span for np in params_of[i]]
-            slices.append(
-                Slice(
-                    s,
-                    [modules[i] for i in span],
-                    span,
-                    [n for n, _ in named],
-                    [p for _, p in named],
-                    place,
-                )
-            )
-        place.flush()
-    except BaseException:
-        # A failed write (disk full): the caller's model is put back as it was.
-        for p, data in originals:
-            p.data = data
-        raise
-    return slices
+def _refuse_copy() -> NoReturn:
+    raise RematError(
+        "remat: OffloadModel expected offload_device='cpu' to be copied or pickled, found "
+        "offload_device='disk': its parameters live in files of its own disk tier. Save "
+        "model.state_dict() and model.optimizer_state_dict() with torch.save and load them "
+        "into a new OffloadModel."
+    )

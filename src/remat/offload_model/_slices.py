@@ -3,7 +3,9 @@
 A :class:`Slice` owns the offloaded copies of its parameters, of their gradients and of its
 optimizer's state, each as one bundle (``_stored.py``), and moves them in and out. While a
 slice is offloaded its parameters read as the host copies (``offload_device="cpu"``) or as
-empty tensors of their dtype (``"disk"``); its buffers wait in host memory.
+empty stand-ins that raise when used (``"disk"``, NOTE [ Stand-ins that raise ] in
+``_stand_ins.py``); its buffers wait in host memory. Gradients live on ``param.grad`` with
+``"cpu"`` (where optimizers and ``clip_grad_norm_`` look), in a bundle with ``"disk"``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ._stand_ins import park, unpark
 from ._stored import Place, Stored
 
 __all__: list[str] = []
@@ -80,6 +83,8 @@ class Slice:
         self.state: Stored | None = None
         self.state_keys: list[tuple[int, str, torch.device]] = []
         self.loaded = False
+        # Host gradients are the parameters' own ``.grad``; disk gradients are a bundle.
+        self.grads_on_params = place.kind == "cpu"
         self.unload()
 
     def run(self, x: torch.Tensor) -> object:
@@ -96,6 +101,7 @@ class Slice:
     def load(self, device: torch.device) -> None:
         """Bring the parameters and buffers to ``device``."""
         for p, t in zip(self.params, self.stored.load(device), strict=True):
+            unpark(p)
             p.data = t
         self._move_buffers(device)
         self.loaded = True
@@ -104,8 +110,12 @@ class Slice:
         """Let go of the parameters on the compute device; they read as ``stored`` (by default
         the committed copy) until the next load. Nothing is written: parameters change only in
         :meth:`~remat.OffloadModel.step`, which stores them itself."""
+        disk = self.place.kind == "disk"
         for p, t in zip(self.params, (stored or self.stored).resident(), strict=True):
+            unpark(p)
             p.data = t
+            if disk:
+                park(p)
         self._move_buffers(torch.device("cpu"))
         self.loaded = False
 
@@ -136,7 +146,17 @@ class Slice:
 
     # -- gradients -------------------------------------------------------------------------
 
+    def has_grads(self) -> bool:
+        if self.grads_on_params:
+            return any(p.grad is not None for p in self.params)
+        return self.grads is not None
+
     def load_grads(self, device: torch.device) -> list[torch.Tensor | None]:
+        if self.grads_on_params:
+            return [
+                None if g is None else g if g.device == device else g.to(device)
+                for g in (p.grad for p in self.params)
+            ]
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         if self.grads is not None:
             for position, g in zip(self.grad_positions, self.grads.load(device), strict=True):
@@ -148,6 +168,31 @@ class Slice:
         if not positions:
             return None, []
         return self.place.store([g for g in grads if g is not None]), positions
+
+    def commit_grads(self, stored: Stored | None, positions: list[int]) -> None:
+        """Make stored gradients the slice's gradients (the slice is not loaded)."""
+        if not self.grads_on_params:
+            self.grads, self.grad_positions = stored, positions
+            return
+        tensors = [] if stored is None else stored.resident()
+        for position, g in zip(positions, tensors, strict=True):
+            self.params[position].grad = g
+
+    def clear_grads(self, set_to_none: bool) -> None:
+        if self.grads_on_params:
+            for p in self.params:
+                if p.grad is not None and set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+            return
+        if self.grads is None:
+            return
+        if set_to_none:
+            self.grads, self.grad_positions = None, []
+            return
+        zeros = [torch.zeros_like(g) for g in self.grads.load(torch.device("cpu"))]
+        self.grads = self.place.store(zeros)
 
     # -- optimizer state -------------------------------------------------------------------
 
@@ -176,6 +221,6 @@ class Slice:
         if not tensors:
             return None, []
         stored = self.place.store(tensors)
-        for (position, key, _), stand_in in zip(keys, stored.resident(), strict=True):
+        for (position, key, _), stand_in in zip(keys, stored.stand_ins(), strict=True):
             self.optimizer.state[self.params[position]][key] = stand_in
         return stored, keys

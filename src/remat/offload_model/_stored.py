@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from ..store._tier import Ticket, Tier
+from ._stand_ins import stand_in
 
 __all__: list[str] = []
 
@@ -64,6 +65,15 @@ class Stored:
         """What stands in for each tensor while it is offloaded (see ``Place.placeholder``)."""
         raise NotImplementedError
 
+    def stand_ins(self) -> list[torch.Tensor]:
+        """What an optimizer's state holds for each tensor while it is offloaded: the tensors
+        themselves in host memory, :class:`~._stand_ins.OnDisk` stand-ins on disk."""
+        return self.resident()
+
+    def free(self) -> None:
+        """Free the bundle now (its file is removed), not when the object is collected: an
+        error's traceback may keep the object alive long after a failed step."""
+
 
 class _HostStored(Stored):
     def __init__(self, tensors: list[torch.Tensor]) -> None:
@@ -84,8 +94,8 @@ class _DiskStored(Stored):
             view.copy_(t)
         self.tier = tier
         self.ticket: Ticket = tier.put(buffer)
-        finalizer = weakref.finalize(self, tier.drop, self.ticket)
-        finalizer.atexit = False  # at exit the tier removes its whole directory itself
+        self._finalizer = weakref.finalize(self, tier.drop, self.ticket)
+        self._finalizer.atexit = False  # at exit the tier removes its whole directory itself
 
     def load(self, device: torch.device) -> list[torch.Tensor]:
         return _views(self.tier.get(self.ticket, device), self.entries)
@@ -95,6 +105,12 @@ class _DiskStored(Stored):
 
     def resident(self) -> list[torch.Tensor]:
         return [torch.empty(0, dtype=e.dtype) for e in self.entries]
+
+    def stand_ins(self) -> list[torch.Tensor]:
+        return [stand_in(e.dtype) for e in self.entries]
+
+    def free(self) -> None:
+        self._finalizer()
 
 
 class Place:
