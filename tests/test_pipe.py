@@ -526,3 +526,35 @@ def test_bad_arguments_name_the_value_and_the_fix() -> None:
     named = nn.Sequential(OrderedDict(chunks=nn.Linear(2, 2)))
     with pytest.raises(remat.RematError, match=r"layer 'chunks' would hide Pipe.chunks"):
         Pipe(named, balance=[1], devices=["cpu"], chunks=1)
+
+
+def test_debug_points_at_the_first_operator_that_differs() -> None:
+    """``debug=True`` (the region engine's operator diff, which a pipeline's regions use): the
+    recompute's own bookkeeping (a detach per saved tensor) is not logged, so the pointer
+    lands on the first real difference, #3 here, not on #0 as soon as a tensor is saved."""
+    state = {"changed": False}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin().cos().exp()
+        y = y.sum(0, keepdim=True).sin() if state["changed"] else y.sin()
+        return y.sin().sum()
+
+    out = remat.checkpoint(fn, torch.randn(4, requires_grad=True), debug=True)
+    state["changed"] = True
+    with pytest.raises(remat.CheckpointError) as info:
+        out.backward()
+    lines = str(info.value).splitlines()
+    start = lines.index("Operators from #0 (first difference at #3):")
+    same = [line.split() for line in lines[start + 1 : start + 4]]
+    assert [(w[0], w[2], w[4]) for w in same] == [
+        ("#0", "aten.sin.default", "aten.sin.default"),
+        ("#1", "aten.cos.default", "aten.cos.default"),
+        ("#2", "aten.exp.default", "aten.exp.default"),
+    ]
+    assert lines[start + 4].split() == [
+        "#3",
+        "forward",
+        "aten.sin.default",
+        "recompute",
+        "aten.sum.dim_IntList",
+    ]
