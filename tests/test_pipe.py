@@ -399,6 +399,8 @@ def test_sequential_like() -> None:
     assert model[-2] is a
     with pytest.raises(IndexError):
         _ = model[2]
+    model.eval()
+    assert not a.training and not any(p.training for p in model.partitions)
 
 
 def test_named_parameters_and_buffers_keep_the_sequential_names() -> None:

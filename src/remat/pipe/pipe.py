@@ -138,6 +138,19 @@ class Pipe(nn.Module):
         layers = list(self)
         return layers[index]
 
+    def train(self, mode: bool = True) -> Pipe:
+        super().train(mode)
+        for partition in self.partitions:
+            partition.training = mode
+        return self
+
+    def extra_repr(self) -> str:
+        devices = [str(d) for d in self.devices]
+        return (
+            f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
+            f"checkpoint={self.checkpoint!r}"
+        )
+
     def to(self, *args: Any, **kwargs: Any) -> Pipe:
         raise self._moved("to")
 
