@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from numbers import Integral
 from typing import TypeAlias
 
 import torch
@@ -84,11 +85,12 @@ def check_balance(module: nn.Sequential, balance: object, where: str) -> list[in
             f"the module's {len(module)} layers); e.g. balance={example}."
         )
     counts = list(balance) if isinstance(balance, Iterable) and not isinstance(balance, str) else []
-    if not counts or not all(isinstance(b, int) and not isinstance(b, bool) for b in counts):
+    if not counts or not all(isinstance(b, Integral) and not isinstance(b, bool) for b in counts):
         raise RematError(
             f"remat: {where} balance must be a non-empty list of layer counts, one per "
             f"partition, got {balance!r}; e.g. balance={example}."
         )
+    counts = [int(b) for b in counts]
     if any(b <= 0 for b in counts):
         raise RematError(
             f"remat: {where} balance {counts} has a partition with {min(counts)} layers; every "
