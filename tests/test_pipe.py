@@ -13,6 +13,7 @@ off, except in the dropout test, whose reference also runs in clock order.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -286,6 +287,52 @@ def test_deferred_batch_norm_updates_running_stats_once_per_minibatch() -> None:
     torch.testing.assert_close(deferred.running_var, bn.running_var, rtol=1e-5, atol=1e-6)
 
 
+def exactly_summable_batch(rows: int, channels: int, seed: int) -> torch.Tensor:
+    """Quarter-integer values, symmetric about a half-integer mean per channel: every partial
+    sum (of x and of x**2) is exact in float32, so summing in any order gives the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randint(-12, 13, (rows // 2, channels, 4, 4), generator=g).float() / 4
+    mean = torch.randint(-8, 9, (1, channels, 1, 1), generator=g).float() / 2
+    return torch.cat([v, -v])[torch.randperm(rows, generator=g)] + mean
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_deferred_batch_norm_statistics_equal_batch_norm_on_the_whole_minibatch(
+    momentum: float | None,
+) -> None:
+    """Two steps of 4 micro-batches, every one checkpointed (recomputes track nothing): running
+    mean, running variance and num_batches_tracked equal nn.BatchNorm2d run on each whole
+    mini-batch, torch.equal. The BatchNorm already was a DeferredBatchNorm for chunks=1 (as
+    after an earlier Pipe); converting it for chunks=4 must not leave it committing once per
+    micro-batch (it did: num_batches_tracked was 8).
+
+    Exact equality needs the sums to be exact: BatchNorm sums the whole mini-batch in its
+    kernel's order, DeferredBatchNorm sums each micro-batch and adds the sums, and in general
+    float32 rounds the two differently (the random-data test above checks that case within
+    rounding). Here the inputs are chosen so that every sum is exact, which leaves the rest of
+    the arithmetic (mean, unbiased variance, momentum step) to be compared bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.BatchNorm2d(4, momentum=momentum), nn.Conv2d(4, 4, 1), nn.ReLU(), nn.Conv2d(4, 2, 1)
+    )
+    with torch.no_grad():
+        model[0].running_mean.uniform_(-1, 1)  # type: ignore[operator]
+        model[0].running_var.uniform_(0.5, 2)  # type: ignore[operator]
+    full = copy.deepcopy(model[0])
+    DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=1)
+    pipe = Pipe(model, [2, 2], ["cpu", "cpu"], 4, checkpoint="always", deferred_batch_norm=True)
+    deferred = pipe[0]
+    assert isinstance(deferred, DeferredBatchNorm) and deferred.chunks == 4
+    for step in range(2):
+        x = exactly_summable_batch(8, 4, seed=step)
+        pipe(x).sum().backward()
+        full(x)
+    assert torch.equal(deferred.num_batches_tracked, full.num_batches_tracked)
+    assert int(deferred.num_batches_tracked) == 2
+    assert torch.equal(deferred.running_mean, full.running_mean)
+    assert torch.equal(deferred.running_var, full.running_var)
+
+
 def test_bad_balance_devices_chunks_and_mode_name_the_values() -> None:
     model = small_unet()
     with pytest.raises(remat.RematError, match=r"balance \[2, 2\] sums to 4.*6 layers.*\[3, 3\]"):
@@ -305,3 +352,211 @@ def test_bad_balance_devices_chunks_and_mode_name_the_values() -> None:
         pipe(torch.randn(5, 3, 16, 16))
     with pytest.raises(remat.RematError, match=r"places them itself"):
         pipe.to("cpu")
+
+
+# -- torchgpipe's spellings, in the style of its tests/test_gpipe.py -------------------------
+
+
+def test_balance_positionally_chunks_and_devices_default() -> None:
+    model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
+    pipe = Pipe(model, [1, 1])
+    assert pipe.balance == [1, 1]
+    assert pipe.chunks == 1
+    assert pipe.checkpoint == "except_last"
+    assert pipe.devices == [torch.device("cpu")] * 2 or torch.cuda.is_available()
+    if torch.cuda.is_available():
+        assert pipe.devices == [torch.device("cuda", torch.cuda.current_device())] * 2
+
+
+def test_torchgpipe_call_equals_plain_sequential() -> None:
+    """GPipe(module, balance, devices=..., chunks=..., checkpoint=...) as torchgpipe spells it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 3], devices=["cpu", "cpu"], chunks=4, checkpoint="always")
+    x = torch.randn(8, 4)
+    out = pipe(x)
+    expected = plain_by_microbatch(ref, x, 4)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert torch.equal(out, expected)
+    for (name, p), (ref_name, q) in zip(
+        pipe.named_parameters(), ref.named_parameters(), strict=True
+    ):
+        assert name == ref_name
+        assert torch.equal(p.grad, q.grad), name  # type: ignore[arg-type]
+
+
+def test_sequential_like() -> None:
+    a = nn.Linear(1, 1)
+    b = nn.Linear(1, 1)
+    model = Pipe(nn.Sequential(a, b), [1, 1], devices=["cpu", "cpu"])
+    assert len(model) == 2
+    assert list(model) == [a, b]
+    assert model[0] is a
+    assert model[1] is b
+    assert model[-1] is b
+    assert model[-2] is a
+    with pytest.raises(IndexError):
+        _ = model[2]
+    model.eval()
+    assert not a.training and not any(p.training for p in model.partitions)
+
+
+def test_named_parameters_and_buffers_keep_the_sequential_names() -> None:
+    """Name-based parameter groups (no weight decay on biases and norms) match the plain
+    model's: torchgpipe's layer names, not renumbered per partition (``partitions.1.0``)."""
+    model = nn.Sequential(
+        OrderedDict(
+            conv=nn.Conv2d(3, 4, 3), bn=nn.BatchNorm2d(4), relu=nn.ReLU(), head=nn.Conv2d(4, 2, 1)
+        )
+    )
+    names = [n for n, _ in model.named_parameters()]
+    buffers = [n for n, _ in model.named_buffers()]
+    pipe = Pipe(model, [2, 2], devices=["cpu", "cpu"], chunks=2)
+    assert [n for n, _ in pipe.named_parameters()] == names
+    assert [n for n, _ in pipe.named_buffers()] == buffers
+    assert list(pipe.state_dict()) == list(model.state_dict())
+    decay = [p for n, p in pipe.named_parameters() if not n.endswith("bias") and "bn" not in n]
+    assert [p.shape for p in decay] == [(4, 3, 3, 3), (2, 4, 1, 1)]
+    numbered = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    pipe = Pipe(numbered, [1, 2], devices=["cpu", "cpu"])
+    assert [n for n, _ in pipe.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_state_dict_of_plain_sequential_loads_into_pipe_and_back() -> None:
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
+
+    torch.manual_seed(0)
+    trained = build()
+    trained(torch.randn(4, 3, 6, 6))  # running statistics differ from a fresh model's
+    torch.manual_seed(1)
+    pipe = Pipe(build(), [2, 2], devices=["cpu", "cpu"], chunks=2)
+    pipe.load_state_dict(trained.state_dict())  # strict
+    for key, value in trained.state_dict().items():
+        assert torch.equal(pipe.state_dict()[key], value), key
+    torch.manual_seed(2)
+    plain = build()
+    plain.load_state_dict(pipe.state_dict())  # strict
+    x = torch.randn(4, 3, 6, 6)
+    plain.eval()
+    pipe.eval()
+    trained.eval()
+    assert torch.equal(plain(x), trained(x))
+    assert torch.equal(pipe(x), trained(x))
+
+
+def test_torchgpipe_state_dict_loads() -> None:
+    """torchgpipe saves layer NAME of partition J as ``partitions.J.NAME``."""
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))
+    saved = {
+        f"partitions.{0 if k.startswith('0.') else 1}.{k}": v
+        for k, v in source.state_dict().items()
+    }
+    assert list(saved) == [
+        "partitions.0.0.weight",
+        "partitions.0.0.bias",
+        "partitions.1.2.weight",
+        "partitions.1.2.bias",
+    ]
+    torch.manual_seed(1)
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2)), [1, 2], ["cpu"] * 2)
+    pipe.load_state_dict(saved)  # strict
+    for key, value in source.state_dict().items():
+        assert torch.equal(pipe.state_dict()[key], value), key
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*partitions\.1\.0\.weight"):
+        pipe.load_state_dict(
+            {**source.state_dict(), "partitions.1.0.weight": saved["partitions.0.0.weight"]}
+        )
+
+
+def test_verify_module_duplicate_children() -> None:
+    """A module at two positions is refused, as torchgpipe does: across partitions its
+    gradients would be added in another order than the plain run's."""
+    conv = nn.Conv2d(3, 3, 1)
+    model = nn.Sequential(conv, nn.ReLU(), conv)
+    with pytest.raises(remat.RematError, match=r"same Conv2d at positions 0 \('0'\) and 2 \('2'\)"):
+        Pipe(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=2, checkpoint="always")
+    from remat.pipe.distributed import split_stages
+
+    with pytest.raises(remat.RematError, match=r"positions 0 \('0'\) and 2 \('2'\)"):
+        split_stages(model, balance=[2, 1], chunks=1)
+
+
+def test_verify_module_duplicate_parameters_in_distinct_children() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight
+    with pytest.raises(remat.RematError, match=r"0\.weight \(position 0\) and 2\.weight \(posi"):
+        Pipe(nn.Sequential(a, nn.ReLU(), b), balance=[1, 2], devices=["cpu", "cpu"], chunks=1)
+
+
+def test_bad_arguments_name_the_value_and_the_fix() -> None:
+    """Every argument is checked at construction, in one line that says what was expected."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+
+    def fails(match: str, **kwargs: object) -> None:
+        arguments: dict[str, object] = {"balance": [2], "devices": ["cpu"], "chunks": 1}
+        with pytest.raises(remat.RematError, match=match) as info:
+            Pipe(model, **{**arguments, **kwargs})  # type: ignore[arg-type]
+        message = str(info.value)
+        assert message.startswith("remat: ") and "\n" not in message, message
+
+    fails(
+        r"devices\[0\]='gpu' is not a device.*Use 'cuda' \(or 'cuda:N'\) for a GPU",
+        balance=[1, 1],
+        devices=["gpu", "cpu"],
+    )
+    fails(r"devices\[1\]=1.5 is not a device", balance=[1, 1], devices=["cpu", 1.5])
+    fails(r"devices must be a list.*'cpu'", balance=[1, 1], devices="cpu")
+    if not torch.cuda.is_available():
+        fails(
+            r"devices\[0\]='cuda:1' names a cuda device, but this machine has no accel",
+            devices=["cuda:1"],
+        )
+        fails(r"devices\[0\]=0 names a cuda device", devices=[0])
+    else:
+        count = torch.cuda.device_count()
+        fails(rf"only {count} cuda device", devices=[f"cuda:{count}"])
+    fails(r"needs balance.*balance=\[1, 1\]", balance=None)
+    fails(r"balance must be a non-empty list.*1.5", balance=[1.5, 0.5])
+    fails(r"balance must be a non-empty list.*True", balance=[True, True])
+    fails(r"chunks must be a positive int.*'4'", chunks="4")
+    fails(r"checkpoint='sometimes' is not a mode", checkpoint="sometimes")
+    fails(r"deferred_batch_norm must be True or False, got 'yes'", deferred_batch_norm="yes")
+    named = nn.Sequential(OrderedDict(chunks=nn.Linear(2, 2)))
+    with pytest.raises(remat.RematError, match=r"layer 'chunks' would hide Pipe.chunks"):
+        Pipe(named, balance=[1], devices=["cpu"], chunks=1)
+
+
+def test_debug_points_at_the_first_operator_that_differs() -> None:
+    """``debug=True`` (the region engine's operator diff, which a pipeline's regions use): the
+    recompute's own bookkeeping (a detach per saved tensor) is not logged, so the pointer
+    lands on the first real difference, #3 here, not on #0 as soon as a tensor is saved."""
+    state = {"changed": False}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin().cos().exp()
+        y = y.sum(0, keepdim=True).sin() if state["changed"] else y.sin()
+        return y.sin().sum()
+
+    out = remat.checkpoint(fn, torch.randn(4, requires_grad=True), debug=True)
+    state["changed"] = True
+    with pytest.raises(remat.CheckpointError) as info:
+        out.backward()
+    lines = str(info.value).splitlines()
+    start = lines.index("Operators from #0 (first difference at #3):")
+    same = [line.split() for line in lines[start + 1 : start + 4]]
+    assert [(w[0], w[2], w[4]) for w in same] == [
+        ("#0", "aten.sin.default", "aten.sin.default"),
+        ("#1", "aten.cos.default", "aten.cos.default"),
+        ("#2", "aten.exp.default", "aten.exp.default"),
+    ]
+    assert lines[start + 4].split() == [
+        "#3",
+        "forward",
+        "aten.sin.default",
+        "recompute",
+        "aten.sum.dim_IntList",
+    ]

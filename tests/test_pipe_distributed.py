@@ -10,7 +10,8 @@ micro-batch, ``tensor_split`` of the batch, each micro-batch's cross-entropy bac
 0..m-1, as both schedules do (``scale_grads=False``). Compared with torch.equal: each stage's
 parameter gradients and BatchNorm buffers, and on the last stage the merged output and every
 micro-batch loss. The model is the unet workload's small shape with dropout off (each process
-draws its own random numbers).
+draws its own random numbers). Each launch also runs a small model whose skip is in the default
+namespace (no ``isolate``), from stage 0 to the last stage.
 """
 
 from __future__ import annotations
@@ -24,20 +25,57 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch import nn
 
 from remat.bench.pipeline import _free_port
+from remat.pipe import pop, skippable, stash
 
 BALANCES = {2: [3, 3], 4: [2, 1, 1, 2]}
 
 
-def _grid(world: int) -> list[tuple[str, int, str]]:
-    return [
-        (mode, chunks, schedule)
+def _grid(world: int) -> list[tuple[str, str, int, str]]:
+    unet = [
+        ("unet", mode, chunks, schedule)
         for mode in ("never", "except_last", "always")
         for chunks in (1, 4, 8)
         for schedule in ("gpipe", "1f1b")
         if schedule == "gpipe" or chunks >= world
     ]
+    return [*unet, ("default-ns", "always", 4, "gpipe"), ("default-ns", "except_last", 4, "1f1b")]
+
+
+@skippable(stash=["skip"])
+class StashInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        yield stash("skip", x)
+        return self.linear(x)
+
+
+@skippable(pop=["skip"])
+class AddSkip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        skip = yield pop("skip")
+        return self.linear(x) + skip
+
+
+def default_namespace_model() -> nn.Sequential:
+    """Six layers; the skip ``"skip"`` (default namespace) goes from layer 0 to layer 4."""
+    return nn.Sequential(
+        StashInput(),
+        nn.Linear(8, 8),
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+        nn.Linear(8, 8),
+        AddSkip(),
+        nn.Linear(8, 4),
+    )
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -58,13 +96,19 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         config = UNetConfig(
             in_channels=3, base_channels=8, depth=2, image_size=16, num_classes=4, dropout=0.0
         )
-        base = sequential_unet(UNet(config))
+        bases = {"unet": sequential_unet(UNet(config)), "default-ns": default_namespace_model()}
         g = torch.Generator().manual_seed(1)
-        x = torch.randn(8, 3, 16, 16, generator=g)
-        target = torch.randint(0, 4, (8, 16, 16), generator=g)
+        inputs = {
+            "unet": (
+                torch.randn(8, 3, 16, 16, generator=g),
+                torch.randint(0, 4, (8, 16, 16), generator=g),
+            ),
+            "default-ns": (torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)),
+        }
         results: list[dict[str, Any]] = []
-        for mode, chunks, kind in _grid(world):
-            model, ref = copy.deepcopy(base), copy.deepcopy(base)
+        for name, mode, chunks, kind in _grid(world):
+            model, ref = copy.deepcopy(bases[name]), copy.deepcopy(bases[name])
+            x, target = inputs[name]
             stage = pipeline_stage(
                 model,
                 balance=balance,
@@ -104,7 +148,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             ref_buffers = [b for layer in layers for b in layer.buffers()]
             buffers = list(stage.submod.buffers())
             result = {
-                "config": (mode, chunks, kind),
+                "config": (name, mode, chunks, kind),
                 "params": len(params),
                 "grads_equal": len(params) == len(ref_params)
                 and all(
@@ -148,7 +192,7 @@ def test_unet_stages_in_processes_equal_plain_sequential_bit_for_bit(
 ) -> None:
     ranks = _launch(world, tmp_path)
     grid = _grid(world)
-    assert len(grid) == 15
+    assert len(grid) == 17
     for rank, results in enumerate(ranks):
         assert [r["config"] for r in results] == grid
         for r in results:
@@ -197,3 +241,20 @@ def test_stage_modules_in_one_process_equal_plain_sequential() -> None:
     assert torch.equal(out, expected)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+
+
+def test_default_namespace_skip_survives_copies_of_stages() -> None:
+    """pipeline_stage infers shapes on deep copies of the stages; a skip in the default
+    namespace must still pair its stash and pop there (it raised a bare KeyError), and the
+    default namespace stays one object through copy and pickle."""
+    import pickle
+
+    from remat.pipe.distributed import split_stages, stage_metas
+    from remat.pipe.skip.namespace import DEFAULT
+
+    assert copy.deepcopy(DEFAULT) is DEFAULT
+    assert pickle.loads(pickle.dumps(DEFAULT)) is DEFAULT
+    stages = split_stages(default_namespace_model(), balance=[2, 1, 1, 2], chunks=2)
+    metas = stage_metas(stages, torch.randn(4, 8))
+    assert [len(inputs) for inputs, _ in metas] == [1, 2, 2, 2]
+    assert [tuple(out.shape) for out in metas[-1][1]] == [(4, 4)]

@@ -120,6 +120,7 @@ class _OpLog(EagerMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[str] = []
+        self.paused = False
 
     def __torch_dispatch__(
         self,
@@ -128,8 +129,18 @@ class _OpLog(EagerMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        self.ops.append(str(func))
+        if not self.paused:
+            self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+    def detach(self, t: torch.Tensor) -> torch.Tensor:
+        """``t.detach()``, not logged: the recompute's pack hook detaches each saved tensor,
+        which the forward pass does not, and would shift every operator after it."""
+        self.paused = True
+        try:
+            return t.detach()
+        finally:
+            self.paused = False
 
 
 class _Frame:
@@ -228,7 +239,7 @@ class _Frame:
             count += 1
             # One alias serves both the slot and the recompute's own graph (which a backward
             # inside the function uses); a saved output holding itself would keep its grad_fn.
-            detached = t.detach()
+            detached = t.detach() if log is None else log.detach(t)
             if index < len(self.slots):
                 if self.check and (t.shape, t.dtype, t.device) != self.metas[index]:
                     mismatches.append(

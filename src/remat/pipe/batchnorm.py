@@ -63,17 +63,34 @@ class DeferredBatchNorm(_BatchNorm):
         return self.tracked == self.chunks
 
     def _commit(self) -> None:
+        """Update the running statistics once, as ``F.batch_norm`` would for the mini-batch.
+
+        The arithmetic after the sums follows ATen's CPU update (``batch_norm_cpu_update_stats``):
+        the mean ``sum / n``, the unbiased variance ``var_sum / (n - 1)`` and the mean's momentum
+        step in the statistics' dtype, the variance's momentum step in float64. So the
+        result equals a plain BatchNorm on the whole mini-batch bit for bit whenever the sums
+        do, i.e. whenever adding the micro-batches' sums in another order loses nothing.
+        """
         self.num_batches_tracked += 1
-        momentum = self.momentum
-        factor = 1.0 / float(self.num_batches_tracked) if momentum is None else momentum
-        mean = self.sum / self.counter
-        var = self.sum_squares / self.counter - mean**2
-        var = var * (self.counter / max(self.counter - 1, 1))
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        n = self.counter
         with torch.no_grad():
-            self.running_mean.mul_(1 - factor).add_(mean * factor)
-            self.running_var.mul_(1 - factor).add_(var * factor)
-        self.sum.zero_()
-        self.sum_squares.zero_()
+            momentum = torch.tensor(
+                factor, dtype=self.running_mean.dtype, device=self.running_mean.device
+            )
+            mean = self.sum / n
+            var_sum = self.sum_squares - mean * self.sum
+            unbiased = (var_sum / max(n - 1, 1)).double()
+            self.running_mean.copy_(momentum * mean + (1 - momentum) * self.running_mean)
+            keep = ((1 - momentum) * self.running_var).double()
+            self.running_var.copy_(momentum.double() * unbiased + keep)
+        self._restart()
+
+    def _restart(self) -> None:
+        """Forget the micro-batches seen so far in this mini-batch."""
+        with torch.no_grad():
+            self.sum.zero_()
+            self.sum_squares.zero_()
         self.counter = 0
         self.tracked = 0
 
@@ -106,10 +123,18 @@ class DeferredBatchNorm(_BatchNorm):
     @classmethod
     def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
         """``module`` with every ``nn.BatchNorm{1,2,3}d`` replaced, parameters and running
-        statistics carried over; returns ``module`` itself when it has none to replace."""
+        statistics carried over, and every :class:`DeferredBatchNorm` set to ``chunks``;
+        returns ``module`` itself when it has none to replace.
+
+        A :class:`DeferredBatchNorm` is kept (the same module) with its ``chunks`` changed: one
+        left at an earlier ``chunks`` would commit its statistics several times per
+        mini-batch. Sums of an unfinished mini-batch (a forward that raised) are dropped.
+        """
+        if isinstance(module, DeferredBatchNorm):
+            module.chunks = chunks
+            module._restart()
+            return module
         if isinstance(module, _BatchNorm) and module.track_running_stats:
-            if isinstance(module, DeferredBatchNorm):
-                return module
             converted = cls(module.num_features, module.eps, module.momentum, module.affine, chunks)
             if module.affine:
                 with torch.no_grad():

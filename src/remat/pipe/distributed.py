@@ -43,7 +43,7 @@ from .. import _state
 from ..checkpoint import RegionOptions, run_region
 from ..errors import RematError, did_you_mean
 from .batchnorm import DeferredBatchNorm
-from .partition import check_balance, check_module
+from .partition import check_balance, check_device, check_module, split_layers
 from .pipe import check_checkpoint, check_chunks
 from .pipeline import CheckpointMode, checkpoint_stop
 from .skip.layout import Key, SkipLayout, inspect_skip_layout
@@ -125,7 +125,8 @@ def split_stages(
     checkpoint: CheckpointMode = "except_last",
     deferred_batch_norm: bool = False,
 ) -> list[StageModule]:
-    """Every stage of ``module`` (sharing its layers); a process keeps the one it runs."""
+    """Every stage of ``module`` (sharing its layers, under their names in ``module``); a
+    process keeps the one it runs."""
     where = "pipeline_stage"
     module = check_module(module, where)
     chunks = check_chunks(chunks, where)
@@ -134,12 +135,7 @@ def split_stages(
     verify_skippables(module)
     if deferred_batch_norm:
         DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
-    layers = list(module)
-    partitions: list[nn.Sequential] = []
-    start = 0
-    for count in counts:
-        partitions.append(nn.Sequential(*layers[start : start + count]))
-        start += count
+    partitions = split_layers(module, counts)
     layout = inspect_skip_layout(partitions)
     return [StageModule(p, j, layout, chunks, checkpoint) for j, p in enumerate(partitions)]
 
@@ -196,8 +192,8 @@ def pipeline_stage(
             f"remat: pipeline_stage stage_index={stage_index!r}, but balance {list(balance)} "
             f"has stages 0 to {len(stages) - 1}."
         )
+    device = check_device(device, "pipeline_stage device")
     inputs, outputs = stage_metas(stages, example)[stage_index]
-    device = torch.device(device)
     stage = stages[stage_index].to(device)
     return PipelineStage(
         stage,

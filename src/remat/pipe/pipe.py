@@ -18,7 +18,14 @@ from ..checkpoint import RegionOptions
 from ..errors import RematError, did_you_mean
 from .batchnorm import DeferredBatchNorm
 from .microbatch import TensorOrTensors, check_input, gather, scatter
-from .partition import DeviceLike, check_balance, check_devices, check_module, split_module
+from .partition import (
+    DeviceLike,
+    check_balance,
+    check_devices,
+    check_flag,
+    check_module,
+    split_module,
+)
 from .pipeline import CHECKPOINT_MODES, CheckpointMode, Pipeline, checkpoint_stop
 from .skip.layout import inspect_skip_layout
 from .skip.skippable import verify_skippables
@@ -52,14 +59,20 @@ class Pipe(nn.Module):
     ::
 
         model = nn.Sequential(...)
-        pipe = remat.pipe.Pipe(model, balance=[2, 3], devices=["cuda:0", "cuda:1"], chunks=8)
+        pipe = remat.pipe.Pipe(model, [2, 3], devices=["cuda:0", "cuda:1"], chunks=8)
         loss_fn(pipe(x), y).backward()  # x on any device; the output is on devices[-1]
+
+    The signature is torchgpipe's ``GPipe(module, balance, devices=None, chunks=1,
+    checkpoint="except_last", deferred_batch_norm=False)``.
 
     Args:
         module: the model; layers may be ``@remat.pipe.skippable`` (checked at once by
-            :func:`~remat.pipe.verify_skippables`). Its layers are moved, not copied.
+            :func:`~remat.pipe.verify_skippables`). Its layers are moved, not copied. Each
+            layer and each parameter may appear at one position only.
         balance: layers per partition, summing to ``len(module)``.
-        devices: one device per partition (a device may repeat; extra ones are ignored).
+        devices: one device per partition (a device may repeat; extra ones are ignored);
+            ``None``: every partition on the current device (the current CUDA device, or the
+            CPU on a machine without an accelerator).
         chunks: micro-batches per call; the input is split along dimension 0 with
             ``torch.tensor_split``, so the batch needs at least ``chunks`` rows.
         checkpoint: which micro-batches run in remat's region engine in training:
@@ -69,6 +82,12 @@ class Pipe(nn.Module):
         deferred_batch_norm: replace BatchNorm layers by :class:`DeferredBatchNorm`, which
             updates running statistics once per mini-batch.
 
+    The layers keep their names: ``pipe.state_dict()`` and ``pipe.named_parameters()`` use the
+    ``nn.Sequential``'s names (``"0.weight"``, ...), so a plain model's state dict loads into
+    the Pipe and back; a torchgpipe state dict (``"partitions.1.3.weight"``) loads too.
+    ``pipe.partitions`` lists the partitions (``nn.Sequential``, not registered as
+    submodules, so that every parameter has one name).
+
     Outputs and gradients equal those of the plain module run on the same micro-batches
     (see NOTE [ Pipeline clock cycles ] in ``pipeline.py`` for the order of accumulation).
     """
@@ -76,10 +95,9 @@ class Pipe(nn.Module):
     def __init__(
         self,
         module: nn.Sequential,
-        *,
         balance: Sequence[int],
-        devices: Sequence[DeviceLike],
-        chunks: int,
+        devices: Sequence[DeviceLike] | None = None,
+        chunks: int = 1,
         checkpoint: CheckpointMode = "except_last",
         deferred_batch_norm: bool = False,
     ) -> None:
@@ -89,25 +107,49 @@ class Pipe(nn.Module):
         self.checkpoint: CheckpointMode = check_checkpoint(checkpoint, "Pipe")
         self.balance = check_balance(module, balance, "Pipe")
         self.devices = check_devices(devices, len(self.balance), "Pipe")
+        deferred = check_flag(deferred_batch_norm, "deferred_batch_norm", "Pipe")
         verify_skippables(module)
-        if deferred_batch_norm:
+        if deferred:
             DeferredBatchNorm.convert_deferred_batch_norm(module, self.chunks)
+        for name in module._modules:
+            if hasattr(self, name) or name in ("partitions", "_pipeline"):
+                raise RematError(
+                    f"remat: Pipe keeps the layers under their names in the nn.Sequential, but "
+                    f"layer {name!r} would hide Pipe.{name}; rename that layer."
+                )
         partitions = split_module(module, self.balance, self.devices)
-        self.partitions = nn.ModuleList(partitions)
+        for partition in partitions:
+            for name, layer in partition.named_children():
+                self.add_module(name, layer)
+        self.partitions = partitions
         self._pipeline = Pipeline(
             partitions, self.devices, inspect_skip_layout(partitions), RegionOptions()
         )
+        self.register_load_state_dict_pre_hook(_accept_torchgpipe_names)  # type: ignore[no-untyped-call]
 
     def __len__(self) -> int:
         return sum(self.balance)
 
     def __iter__(self) -> Iterator[nn.Module]:
         for partition in self.partitions:
-            yield from cast(nn.Sequential, partition)
+            yield from partition
 
     def __getitem__(self, index: int) -> nn.Module:
         layers = list(self)
         return layers[index]
+
+    def train(self, mode: bool = True) -> Pipe:
+        super().train(mode)
+        for partition in self.partitions:
+            partition.training = mode
+        return self
+
+    def extra_repr(self) -> str:
+        devices = [str(d) for d in self.devices]
+        return (
+            f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
+            f"checkpoint={self.checkpoint!r}"
+        )
 
     def to(self, *args: Any, **kwargs: Any) -> Pipe:
         raise self._moved("to")
@@ -132,3 +174,24 @@ class Pipe(nn.Module):
         stop = checkpoint_stop(self.checkpoint, self.chunks) if checkpointing else 0
         self._pipeline.run(batches, stop)
         return gather(batches)
+
+
+def _accept_torchgpipe_names(
+    pipe: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Rename torchgpipe's keys (``partitions.J.NAME.rest``, NAME a layer of partition J) to
+    the Pipe's own (``NAME.rest``) before loading; other keys are left for the usual checks."""
+    partitions = cast(Pipe, pipe).partitions
+    head = prefix + "partitions."
+    for key in [k for k in state_dict if k.startswith(head)]:
+        j, _, rest = key[len(head) :].partition(".")
+        name = rest.partition(".")[0]
+        if j.isdigit() and int(j) < len(partitions) and name in partitions[int(j)]._modules:
+            state_dict[prefix + rest] = state_dict.pop(key)

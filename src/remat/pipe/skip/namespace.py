@@ -3,11 +3,18 @@
 A U-Net's levels are one class instantiated several times; each stashes ``"skip"`` and a
 later level pops ``"skip"``. Isolating each pair in its own :class:`Namespace` keeps the
 levels apart: the tracker keys every skip tensor on ``(namespace, name)``.
+
+Namespaces compare by identity, so ``copy.deepcopy`` of an isolated block gives a block in a
+namespace of its own. The default namespace is the one exception: it is a singleton that
+copying and pickling keep, since a model's skippable layers refer to it implicitly (an
+unisolated name) while the keys of a skip layout refer to it explicitly, and a copied key
+must still find the layer's tensor.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 __all__ = ["Namespace"]
 
@@ -35,6 +42,12 @@ class Namespace:
         if not isinstance(other, Namespace):
             return NotImplemented
         return self._id < other._id
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self is DEFAULT:
+            # A global name: pickle and copy return the DEFAULT of the loading process.
+            return "DEFAULT"
+        return super().__reduce_ex__(protocol)
 
 
 DEFAULT = Namespace()
