@@ -21,10 +21,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
-# Pages whose examples are fragments, kept as they are by the module they document; say why.
-FRAGMENTS = {
-    "pipe.md": "its examples name models and devices defined elsewhere (enc0, cuda:0)",
-}
 
 _BLOCK = re.compile(
     r"(?:<!--\s*(?P<marker>[\w-]+):\s*(?P<value>.*?)\s*-->\s*\n)?^```python\n(?P<code>.*?)^```",
@@ -47,8 +43,6 @@ def _blocks(page: Path) -> list[tuple[int, str | None, str, str]]:
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if page.name in FRAGMENTS and page.parent == DOCS:
-        pytest.skip(f"{page.name}: {FRAGMENTS[page.name]}")
     blocks = _blocks(page)
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": "__doc_example__"}
