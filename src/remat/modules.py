@@ -9,11 +9,13 @@ freed as soon as the last outside reference goes, without waiting for ``gc.colle
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
+import torch
 from torch import nn
 
 from .checkpoint import RegionOptions, run_region
@@ -44,6 +46,21 @@ class _CheckpointedForward:
         module = self.module_ref()
         if module is None:
             raise RematError("remat: the module of this checkpointed forward was freed.")
+        if torch.compiler.is_compiling():
+            # See [ Regions under torch.compile ] in _compile.py.
+            from ._compile import lower
+
+            options = self.options
+            return lower(
+                functools.partial(type(module).forward, module),
+                args,
+                kwargs,
+                policy=options.policy,
+                preserve_rng_state=options.preserve_rng_state,
+                context_fn=options.context_fn,
+                offload_inputs=self.offload_to_cpu,
+                module=self.name,
+            )
         forward = types.MethodType(type(module).forward, module)
         names = None
         root = self.name or type(module).__name__
