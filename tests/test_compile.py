@@ -213,3 +213,26 @@ def test_inductor_gradients_match_eager_within_inductor_tolerance() -> None:
     got = grads(model, x2, torch.compile(model)(x2))
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_compiled_region_writes_batchnorm_statistics_once_and_refuses_must_offload() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    model = remat.checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.compile(model, backend="aot_eager")(x).sum().backward()
+    plain(x).sum().backward()
+    bn, plain_bn = model[1], plain[1]
+    assert isinstance(bn, nn.BatchNorm1d) and isinstance(plain_bn, nn.BatchNorm1d)
+    assert int(bn.num_batches_tracked) == 1
+    assert torch.equal(bn.running_mean, plain_bn.running_mean)
+
+    def must_offload(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return Decision.MUST_OFFLOAD_HOST
+
+    torch._dynamo.reset()
+    refused = remat.checkpoint_wrapper(copy.deepcopy(plain), policy=must_offload)
+    # The compiler asks the policy while it builds the graph, and wraps what it raises.
+    failed = torch._dynamo.exc.BackendCompilerFailed
+    with pytest.raises(failed, match=r"RematError: remat: .* under torch\.compile a region cannot"):
+        torch.compile(refused, backend="aot_eager")(x)
