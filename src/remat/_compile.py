@@ -25,8 +25,11 @@ NOTE [ Regions under torch.compile ]
 
 3. What the compiler does differs from remat's eager engines in these ways: module state
    written in forward (BatchNorm statistics) is written as torch's compiled checkpoint writes
-   it; the recompute stops where the partitioner decides, not at remat's early stop; region
-   inputs stay on the device (``offload_to_cpu`` with accelerator inputs raises).
+   it, which is once (the compiled graph applies buffer writes in forward only); what is
+   recomputed, and how random ops are replayed, is the partitioner's choice, not remat's early
+   stop and RNG replay; region inputs stay on the device (``offload_to_cpu`` with accelerator
+   inputs raises); ``remat.region`` blocks (no function to lower) run eagerly, with a graph
+   break around them.
 
 NOTE [ Compiled functions inside a region ]
 

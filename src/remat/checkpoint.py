@@ -412,7 +412,9 @@ def checkpoint(
 
     Under ``torch.no_grad()`` and inside :func:`~remat.disable_checkpointing` the function runs
     plainly. See the notes [ Life of a saved tensor in a region ] and [ Nested regions ] in this
-    module for the rules it follows.
+    module for the rules it follows. Under ``torch.compile`` the region lowers to torch's
+    checkpoint (a policy to a selective-checkpoint context), and a compiled ``function`` is
+    recomputed as compiled; see ``_compile.py`` for what changes.
     """
     if torch.compiler.is_compiling():
         # Under Dynamo the region lowers to torch's checkpoint: [ Regions under torch.compile ].
