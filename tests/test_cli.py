@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +34,19 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         "--processes", "2",
         "--json", str(out_json),
         "--plot", str(out_png),
-        "--no-progress",
     )  # fmt: skip
     assert code == 0, err
+    # stdout is not a terminal here: one progress line per finished measurement, in order.
+    progress = [line for line in out.splitlines() if line.startswith("[")]
+    expected = [
+        r"\[1/5\] memory of none: peak [\d,.]+ MiB \(\d+ s\)",
+        r"\[2/5\] memory of torch-block: peak [\d,.]+ MiB \(\d+ s\)",
+        r"\[3/5\] memory of remat-block: peak [\d,.]+ MiB \(\d+ s\)",
+        r"\[4/5\] step times, timing process 1 of 2: 1 round x 3 strategies \(\d+ s\)",
+        r"\[5/5\] step times, timing process 2 of 2: 1 round x 3 strategies \(\d+ s\)",
+    ]
+    assert len(progress) == len(expected), out
+    assert all(re.fullmatch(p, line) for p, line in zip(expected, progress, strict=True)), out
     data = json.loads(out_json.read_text())
     assert [r["strategy"] for r in data["rows"]] == ["none", "torch-block", "remat-block"]
     assert all(r["grads_equal"] for r in data["rows"])
@@ -132,3 +144,19 @@ def test_unwritable_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_list(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "bench", "--list")
     assert code == 0 and "remat-block" in out and "workloads: gpt, mlp, convnet, unet" in out
+
+
+def test_python_dash_m_remat_runs_the_cli() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "remat", "bench", "--list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "remat-block" in done.stdout and "workloads:" in done.stdout
+    usage = subprocess.run(
+        [sys.executable, "-m", "remat"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert usage.returncode == 2 and "usage: remat" in usage.stderr

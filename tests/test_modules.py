@@ -1013,3 +1013,140 @@ def test_checkpoint_sequential_bad_functions() -> None:
         remat.checkpoint_sequential([nn.Tanh()], 1, x, early=True)
     with pytest.raises(RematError, match=r"functions \(0\), got 1"):
         remat.checkpoint_sequential([], 1, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Porting paths: the spellings of torch, torchtitan and fairscale, in their tests' style
+# ---------------------------------------------------------------------------------------------
+
+
+def test_apply_activation_checkpointing_check_fn_one_argument() -> None:
+    # torch's apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block)).
+    _, expected = _train_net(lambda m: m)
+    for prepare in (
+        lambda m: remat.apply(m, lambda submodule: isinstance(submodule, Block)),
+        lambda m: remat.apply(m, check_fn=lambda submodule: isinstance(submodule, Block)),
+    ):
+        model, got = _train_net(prepare)
+        assert _wrapped_names(model) == {"body.0", "body.2", "extra"}
+        _assert_same(got, expected)
+        assert [b.calls for b in model.modules() if isinstance(b, Block)] == [4, 4, 4]
+    with pytest.raises(RematError, match="where or check_fn, not both"):
+        remat.apply(_net(), Block, check_fn=lambda m: True)
+
+
+def test_apply_every_n_checkpoints_every_nth_matching_block() -> None:
+    # torchtitan's selective AC by layers: the 2nd, 4th, ... matching block.
+    _, expected = _train_net(lambda m: m)
+    model, got = _train_net(lambda m: remat.apply(m, Block, every=2))
+    assert _wrapped_names(model) == {"body.2"}
+    _assert_same(got, expected)
+    assert [b.calls for b in model.modules() if isinstance(b, Block)] == [2, 4, 2]
+    with pytest.raises(RematError, match="every=4 selects none"):
+        remat.apply(_net(), Block, every=4)
+    with pytest.raises(RematError, match="every must be an int >= 1, got 0"):
+        remat.apply(_net(), Block, every=0)
+
+
+def test_apply_torchtitan_modes() -> None:
+    _, expected = _train_net(lambda m: m)
+    full, got = _train_net(lambda m: remat.apply(m, Block, mode="full"))
+    _assert_same(got, expected)
+    assert _wrapped_names(full) == {"body.0", "body.2", "extra"}
+    # selective by layers: the config string of torchtitan ("2") or an int.
+    for every in ("2", 2):
+        layers, got = _train_net(
+            lambda m, n=every: remat.apply(m, Block, mode="selective", selective=n)
+        )
+        _assert_same(got, expected)
+        assert _wrapped_names(layers) == {"body.2"}
+    # selective by op: matrix multiplies kept, the rest recomputed by the graph engine.
+    ops, got = _train_net(lambda m: remat.apply(m, Block, mode="selective", selective="op"))
+    _assert_same(got, expected)
+    forwards = [m.__dict__["forward"] for m in ops.modules() if is_wrapped(m)]
+    assert len(forwards) == 3
+    assert all(f.options.policy is remat.policies.save_matmuls for f in forwards)
+    # The graph engine replays ops, never the block's Python: each block ran once per step.
+    assert [b.calls for b in ops.modules() if isinstance(b, Block)] == [2, 2, 2]
+    with pytest.raises(RematError, match="mode must be 'full' or 'selective', got 'selectve'"):
+        remat.apply(_net(), Block, mode="selectve")  # type: ignore[arg-type]
+    with pytest.raises(RematError, match="selective must be 'op' or a number of layers"):
+        remat.apply(_net(), Block, mode="selective", selective="ops")
+
+
+def test_apply_selective_op_saves_less_than_plain_and_more_than_full() -> None:
+    class SinBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin1, self.lin2 = nn.Linear(D, D), nn.Linear(D, D)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin2(torch.sin(self.lin1(x)))  # sin saves its input, the mm's output
+
+    def saved(prepare: Callable[[nn.Module], object]) -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(SinBlock(), SinBlock())
+        prepare(model)
+        return remat.explain(model, torch.randn(BATCH, D, requires_grad=True)).kept_bytes
+
+    plain = saved(lambda m: m)
+    ops = saved(lambda m: remat.apply(m, SinBlock, mode="selective", selective="op"))
+    full = saved(lambda m: remat.apply(m, SinBlock, mode="full"))
+    assert full < ops < plain, (full, ops, plain)
+
+
+def test_unapply_restores_the_original_modules() -> None:
+    _, expected = _train_net(lambda m: m)
+    keys = list(_net().state_dict())
+    model, got = _train_net(lambda m: remat.unapply(remat.apply(m, Block)))
+    assert _wrapped_names(model) == set()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert list(model.state_dict()) == keys
+    _assert_same(got, expected)
+    # Unwrapped: each block runs once per step again.
+    assert [b.calls for b in model.modules() if isinstance(b, Block)] == [2, 2, 2]
+    # Wrapping again after unapply works, and unapply of an unwrapped model changes nothing.
+    assert _wrapped_names(remat.apply(model, Block)) == {"body.0", "body.2", "extra"}
+    assert remat.unapply(remat.unapply(model)) is model
+
+
+def test_checkpoint_error_is_a_torch_checkpoint_error() -> None:
+    # torch's test_checkpoint style: a recompute that saves a differently shaped tensor.
+    state = {"first": True}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x if state["first"] else x[:2]
+        state["first"] = False
+        return y.sin()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    out = remat.checkpoint(fn, x)
+    with pytest.raises(torch_checkpoint.CheckpointError, match="remat: the recompute"):
+        out.sum().backward()
+    assert issubclass(remat.CheckpointError, RematError)
+    assert issubclass(remat.CheckpointError, torch_checkpoint.CheckpointError)
+
+
+def test_fairscale_checkpoint_wrapper_offload_to_cpu_positional() -> None:
+    # fairscale's test_checkpoint_activations: checkpoint_wrapper(module, offload_to_cpu).
+    def get_loss_and_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+        torch.manual_seed(1)
+        loss = model(x).sum()
+        loss.backward()
+        return loss, [p.grad for p in model.parameters()]
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.2), nn.Linear(D, D))
+    x = torch.randn(BATCH, D)
+    for offload_to_cpu in (False, True):
+        model = copy.deepcopy(plain)
+        assert remat.checkpoint_wrapper(model, offload_to_cpu) is model
+        assert model.__dict__["forward"].offload_to_cpu is offload_to_cpu
+        loss, grads = get_loss_and_grads(model, x)
+        plain_loss, plain_grads = get_loss_and_grads(copy.deepcopy(plain), x)
+        assert torch.equal(loss, plain_loss)
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    # True sends the region's inputs to the host tier; on CPU they are there already.
+    model = remat.checkpoint_wrapper(copy.deepcopy(plain), True)
+    report = remat.explain(model, torch.randn(BATCH, D, requires_grad=True))
+    assert report.rows[0].how == "not offloaded: already in host memory"

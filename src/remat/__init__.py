@@ -22,6 +22,7 @@ from .graph import tag as tag
 from .modules import apply as apply
 from .modules import checkpoint_sequential as checkpoint_sequential
 from .modules import checkpoint_wrapper as checkpoint_wrapper
+from .modules import unapply as unapply
 from .offload_model import OffloadModel as OffloadModel
 from .store import offload as offload
 from .track import MemoryReport as MemoryReport
@@ -51,4 +52,5 @@ __all__ = [
     "region",
     "store",
     "tag",
+    "unapply",
 ]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -422,8 +423,24 @@ def checkpoint(
 
     Under ``torch.no_grad()`` and inside :func:`~remat.disable_checkpointing` the function runs
     plainly. See the notes [ Life of a saved tensor in a region ] and [ Nested regions ] in this
-    module for the rules it follows.
+    module for the rules it follows. Under ``torch.compile`` the region lowers to torch's
+    checkpoint (a policy to a selective-checkpoint context), and a compiled ``function`` is
+    recomputed as compiled; see ``_compile.py`` for what changes.
     """
+    if torch.compiler.is_compiling():
+        # Under Dynamo the region lowers to torch's checkpoint: [ Regions under torch.compile ].
+        from ._compile import lower
+
+        if use_reentrant:
+            raise RematError("remat.checkpoint: use_reentrant=True is not supported; drop it.")
+        return lower(
+            function,
+            args,
+            kwargs,
+            policy=policy,
+            preserve_rng_state=preserve_rng_state,
+            context_fn=context_fn,
+        )
     if not callable(function):
         raise RematError(
             f"remat.checkpoint: expected a callable as first argument, got "
@@ -456,8 +473,33 @@ def run_region(
 ) -> Any:
     """:func:`checkpoint` with validated options; ``offload_inputs`` keeps the region's inputs
     in host memory until backward."""
+    if torch.compiler.is_compiling():
+        from ._compile import lower
+
+        return lower(
+            function,
+            args,
+            kwargs,
+            policy=options.policy,
+            preserve_rng_state=options.preserve_rng_state,
+            context_fn=options.context_fn,
+            offload_inputs=offload_inputs,
+            module=root,
+        )
     if not torch.is_grad_enabled() or _state.state.disabled:
         return function(*args, **kwargs)
+    if _compiled(function):
+        # See [ Compiled functions inside a region ] in _compile.py.
+        from ._compile import CompiledRegion
+
+        if options.policy is not None:
+            raise RematError(
+                "remat.checkpoint: a policy records the ATen ops a region runs in eager mode, "
+                "and a compiled function hides them. Put the region inside the compiled code "
+                "instead: torch.compile(remat.checkpoint_wrapper(block, policy=...)), or "
+                "remat.checkpoint(block, x, policy=...) inside the compiled function."
+            )
+        function = CompiledRegion(function)
     if options.policy is not None:
         from .graph import recording
 
@@ -503,6 +545,15 @@ def run_region(
         out = function(*args, **kwargs)
     ambient.check_forward_done()
     return out
+
+
+def _compiled(function: Any) -> bool:
+    """Whether ``function`` came from ``torch.compile`` (Dynamo is imported only if used)."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    from ._compile import is_compiled
+
+    return is_compiled(function)
 
 
 def save_inputs(tensors: list[torch.Tensor], offload: bool) -> Any:

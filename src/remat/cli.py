@@ -56,7 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--json", type=Path, help="JSON output (default: bench-out/NAME.json)")
     bench.add_argument("--plot", type=Path, help="PNG output (default: bench-out/NAME.png)")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (on a terminal) and no progress lines (in a log)",
+    )
     bench.add_argument("--list", action="store_true", help="list strategies and workloads")
     bench.add_argument(
         "--offload",
@@ -227,23 +231,38 @@ def _run(
 
     names = ["none", *[s for s in strategies if s != "none"]]
     memory: dict[str, dict[str, Any]] = {}
-    with Progress(disable=not progress, transient=True) as bar:
+    overhead = any(s.startswith("remat-graph") for s in names)
+    # A bar on a terminal; in a log (stdout not a terminal) one line per finished measurement.
+    lines = _Lines(len(names) + processes + overhead) if progress and not _terminal() else None
+    with Progress(disable=not progress or lines is not None, transient=True) as bar:
         task = bar.add_task("memory", total=len(names) + 1)
         for s in names:
             bar.update(task, description=f"memory: {s}")
             memory[s] = _subprocess({**base, "kind": "memory", "strategy": s})
             bar.advance(task)
+            if lines is not None:
+                peak = memory[s]["peak_bytes"]
+                lines.done(f"memory of {s}: peak {peak / 2**20:,.1f} MiB")
         bar.update(
             task,
             description=f"step times: {processes} x {rounds} rounds x {len(names)} strategies",
         )
         request = {**base, "kind": "time", "strategies": names, "rounds": rounds}
-        timed = [r for _ in range(processes) for r in _subprocess(request)["timed_rounds"]]
+        timed = []
+        for process in range(processes):
+            timed.extend(_subprocess(request)["timed_rounds"])
+            if lines is not None:
+                lines.done(
+                    f"step times, timing process {process + 1} of {processes}: {rounds} "
+                    f"round{'s' if rounds > 1 else ''} x {len(names)} strategies"
+                )
         timing = measure.summarize(names, timed)
-        if any(s.startswith("remat-graph") for s in names):
+        if overhead:
             # On the small size of the workload: the engine's per-op cost, not kernel noise.
             small = {**base, "size": "small", "kind": "overhead"}
             timing["recording_us_per_op"] = _subprocess(small)["recording_us_per_op"]
+            if lines is not None:
+                lines.done("graph engine recording overhead")
         bar.advance(task)
     plain = memory["none"]["peak_bytes"]
     rows = [
@@ -277,6 +296,28 @@ def _run(
         processes=processes,
         round_seconds=[r["seconds"] for r in timing["timed_rounds"]],
     )
+
+
+def _terminal() -> bool:
+    return sys.stdout.isatty()
+
+
+class _Lines:
+    """Progress for logs: ``[k/n] what finished (seconds since the start)``, one line each."""
+
+    def __init__(self, total: int) -> None:
+        import time
+
+        self.total = total
+        self.count = 0
+        self.start = time.monotonic()
+
+    def done(self, what: str) -> None:
+        import time
+
+        self.count += 1
+        elapsed = time.monotonic() - self.start
+        print(f"[{self.count}/{self.total}] {what} ({elapsed:.0f} s)", flush=True)
 
 
 def _counterpart(name: str, names: list[str]) -> str | None:

@@ -7,6 +7,8 @@ how to fix it.
 
 from __future__ import annotations
 
+import torch.utils.checkpoint
+
 __all__ = ["CheckpointError", "RematError"]
 
 
@@ -14,8 +16,12 @@ class RematError(RuntimeError):
     """Root of every error remat raises: bad arguments, infeasible requests, broken replays."""
 
 
-class CheckpointError(RematError):
-    """A recompute did not reproduce what the forward pass saved, or could not run."""
+class CheckpointError(RematError, torch.utils.checkpoint.CheckpointError):
+    """A recompute did not reproduce what the forward pass saved, or could not run.
+
+    Also a ``torch.utils.checkpoint.CheckpointError``, so ``except`` clauses written for torch's
+    checkpoint catch it.
+    """
 
 
 def did_you_mean(found: str, choices: list[str] | tuple[str, ...]) -> str:

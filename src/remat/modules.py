@@ -9,22 +9,28 @@ freed as soon as the last outside reference goes, without waiting for ``gc.colle
 
 from __future__ import annotations
 
+import functools
+import inspect
 import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
+import torch
 from torch import nn
 
 from .checkpoint import RegionOptions, run_region
 from .errors import RematError, did_you_mean
+from .policies import save_matmuls
 
-__all__ = ["apply", "checkpoint_sequential", "checkpoint_wrapper"]
+__all__ = ["apply", "checkpoint_sequential", "checkpoint_wrapper", "unapply"]
 
 Where: TypeAlias = (
     "type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] "
-    "| Sequence[str]"
+    "| Callable[[nn.Module], bool] | Sequence[str]"
 )
+Mode: TypeAlias = Literal["full", "selective"]
+_MODES = ("full", "selective")
 
 
 class _CheckpointedForward:
@@ -44,6 +50,21 @@ class _CheckpointedForward:
         module = self.module_ref()
         if module is None:
             raise RematError("remat: the module of this checkpointed forward was freed.")
+        if torch.compiler.is_compiling():
+            # See [ Regions under torch.compile ] in _compile.py.
+            from ._compile import lower
+
+            options = self.options
+            return lower(
+                functools.partial(type(module).forward, module),
+                args,
+                kwargs,
+                policy=options.policy,
+                preserve_rng_state=options.preserve_rng_state,
+                context_fn=options.context_fn,
+                offload_inputs=self.offload_to_cpu,
+                module=self.name,
+            )
         forward = types.MethodType(type(module).forward, module)
         names = None
         root = self.name or type(module).__name__
@@ -73,7 +94,7 @@ def _rebind(module: nn.Module, offload_to_cpu: bool, options: RegionOptions, nam
 
 
 def checkpoint_wrapper(
-    module: nn.Module, *, offload_to_cpu: bool = False, **options: Any
+    module: nn.Module, offload_to_cpu: bool = False, **options: Any
 ) -> nn.Module:
     """Make every call of ``module`` a checkpointed region, in place, and return it.
 
@@ -84,7 +105,8 @@ def checkpoint_wrapper(
     Args:
         module: the module to wrap.
         offload_to_cpu: keep the region's inputs in host memory until backward (asynchronous
-            copies into pinned memory on accelerators; nothing to do for CPU tensors).
+            copies into pinned memory on accelerators; nothing to do for CPU tensors). Also
+            positional, as in fairscale's ``checkpoint_wrapper(module, offload_to_cpu)``.
         **options: options of :func:`~remat.checkpoint` (``preserve_rng_state``,
             ``context_fn``, ``determinism_check``, ``early_stop``, ``debug``).
     """
@@ -147,9 +169,10 @@ def _matcher(where: Any, model: nn.Module) -> Callable[[str, nn.Module], bool]:
         wanted = set(where)
         return lambda name, module: name in wanted
     if callable(where):
+        one_argument = _takes_one_argument(where)
 
         def predicate(name: str, module: nn.Module) -> bool:
-            answer = where(name, module)
+            answer = where(module) if one_argument else where(name, module)
             if not isinstance(answer, bool):
                 raise RematError(
                     f"remat.apply: the where predicate returned {answer!r} for {name!r}; it must "
@@ -165,23 +188,63 @@ def _matcher(where: Any, model: nn.Module) -> Callable[[str, nn.Module], bool]:
 
 
 def apply(
-    model: nn.Module, where: Where, *, offload_to_cpu: bool = False, **options: Any
+    model: nn.Module,
+    where: Where | None = None,
+    *,
+    check_fn: Callable[[nn.Module], bool] | None = None,
+    every: int = 1,
+    mode: Mode | None = None,
+    selective: str | int = "op",
+    offload_to_cpu: bool = False,
+    **options: Any,
 ) -> nn.Module:
     """Checkpoint the submodules of ``model`` that ``where`` selects, in place; return ``model``.
 
     ``where`` is a module class, a tuple of classes, a predicate ``(qualified_name, module) ->
-    bool`` or a list of qualified names (as in ``model.named_modules()``; ``""`` is the model
-    itself). When a module and one inside it both match, only the outer one is wrapped: a region
-    inside a region would recompute twice for nothing. Options are those of
-    :func:`checkpoint_wrapper`.
+    bool``, a one-argument predicate ``check_fn(module) -> bool`` (the contract of torch's
+    ``apply_activation_checkpointing``, also accepted as ``check_fn=``) or a list of qualified
+    names (as in ``model.named_modules()``; ``""`` is the model itself). When a module and one
+    inside it both match, only the outer one is wrapped: a region inside a region would
+    recompute twice for nothing. Options are those of :func:`checkpoint_wrapper`.
 
-    Example::
+    Args:
+        every: checkpoint only every ``every``-th matching module, in the order of
+            ``model.named_modules()``: the ``every``-th, the ``2 * every``-th, ... (torchtitan's
+            selective activation checkpointing by layers).
+        mode: torchtitan's activation-checkpointing modes. ``"full"`` checkpoints every
+            matching module. ``"selective"`` with ``selective="op"`` keeps the outputs of
+            matrix multiplies and attention and recomputes the rest (policy
+            :func:`~remat.policies.save_matmuls`, torchtitan's op-level SAC); with
+            ``selective=N`` (an int, or its string as in torchtitan's config) it checkpoints
+            every N-th matching module fully.
+
+    Undo with :func:`unapply`. Example::
 
         remat.apply(gpt, GPTBlock)                          # every block
         remat.apply(gpt, lambda name, m: name in {"blocks.0", "blocks.2"})
+        remat.apply(gpt, lambda m: isinstance(m, GPTBlock), every=2)
+        remat.apply(gpt, GPTBlock, mode="selective", selective="op")
     """
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.apply: expected an nn.Module, got {type(model).__name__}.")
+    if check_fn is not None:
+        if where is not None:
+            raise RematError(
+                "remat.apply: pass where or check_fn, not both (check_fn is where's "
+                "one-argument form)."
+            )
+        if not callable(check_fn):
+            raise RematError(
+                f"remat.apply: check_fn must be a callable (module) -> bool, got "
+                f"{type(check_fn).__name__}."
+            )
+        where = check_fn
+    if where is None:
+        raise RematError(
+            "remat.apply: say which modules to checkpoint: a module class, a predicate, a list "
+            "of names, or check_fn=lambda module: ..."
+        )
+    every, options = _mode_options(mode, selective, every, options)
     RegionOptions.parse("remat.apply", dict(options))
     if not isinstance(offload_to_cpu, bool):
         raise RematError(
@@ -199,6 +262,13 @@ def apply(
             f"remat.apply: where={_describe(where)} matches no module of "
             f"{type(model).__name__}; module classes present: {_classes(model)}."
         )
+    if every > 1:
+        selected = selected[every - 1 :: every]
+        if not selected:
+            raise RematError(
+                f"remat.apply: every={every} selects none of the matching modules; fewer than "
+                f"{every} match. Pass a smaller every."
+            )
     taken = [name or "(the model)" for name, module in selected if "forward" in module.__dict__]
     if taken:
         raise RematError(
@@ -212,6 +282,69 @@ def apply(
         assert isinstance(forward, _CheckpointedForward)
         forward.name = name
     return model
+
+
+def unapply(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply` and :func:`checkpoint_wrapper` on ``model`` and every module inside
+    it, in place; return ``model``.
+
+    Each wrapped module gets its class's ``forward`` back; parameters, buffers and
+    ``state_dict`` keys never changed, so nothing else moves. Modules that are not wrapped are
+    left alone.
+    """
+    if not isinstance(model, nn.Module):
+        raise RematError(f"remat.unapply: expected an nn.Module, got {type(model).__name__}.")
+    for module in model.modules():
+        if is_wrapped(module):
+            del module.forward
+    return model
+
+
+def _takes_one_argument(function: Callable[..., Any]) -> bool:
+    """Whether ``function`` takes exactly one positional argument (torch's ``check_fn``)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the documented form
+        return False
+    positional = [
+        p
+        for p in parameters
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    variadic = any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    return len(positional) == 1 and not variadic
+
+
+def _mode_options(
+    mode: Any, selective: Any, every: Any, options: dict[str, Any]
+) -> tuple[int, dict[str, Any]]:
+    """``every`` and the region options that torchtitan's ``mode`` and ``selective`` mean."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise RematError(f"remat.apply: every must be an int >= 1, got {every!r}.")
+    if mode is None or mode == "full":
+        return every, options
+    if mode != "selective":
+        raise RematError(
+            f"remat.apply: mode must be 'full' or 'selective', got {mode!r}"
+            f"{did_you_mean(str(mode), _MODES)}."
+        )
+    if selective == "op":
+        if "policy" in options:
+            raise RematError(
+                "remat.apply: mode='selective' with selective='op' sets the policy "
+                "(remat.policies.save_matmuls); drop policy= or drop the mode."
+            )
+        return every, {**options, "policy": save_matmuls}
+    layers = int(selective) if isinstance(selective, str) and selective.isdigit() else selective
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise RematError(
+            f"remat.apply: selective must be 'op' or a number of layers >= 1, got {selective!r}."
+        )
+    if every != 1:
+        raise RematError(
+            "remat.apply: mode='selective' with a number of layers is every=N; pass one of them."
+        )
+    return layers, options
 
 
 def _inside(name: str, outer: str) -> bool:

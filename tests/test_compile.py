@@ -1,0 +1,238 @@
+"""remat regions under torch.compile, and compiled functions inside remat regions.
+
+Small shapes and few compiles: Dynamo is reset around every test.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import remat
+from remat.policies import Decision, save_matmuls
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(width, 2 * width)
+        self.l2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)).sin()) + x
+
+
+class Model(nn.Module):
+    """Two blocks; ``how`` says how they are checkpointed inside ``forward``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.how == "remat":
+                x = remat.checkpoint(block, x)
+            elif self.how == "remat-policy":
+                x = remat.checkpoint(block, x, policy=save_matmuls)
+            elif self.how == "mixed":  # one region of each engine
+                policy = save_matmuls if block is self.blocks[1] else None
+                x = remat.checkpoint(block, x, policy=policy)
+            elif self.how == "torch":
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return x.sum()
+
+
+def build(how: str) -> Model:
+    torch.manual_seed(0)
+    return Model(how)
+
+
+def saved_bytes(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """The output of ``run()`` and the bytes autograd saved for backward while it ran."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, total
+
+
+def grads(model: nn.Module, x: torch.Tensor, loss: torch.Tensor) -> list[torch.Tensor]:
+    loss.backward()
+    assert x.grad is not None
+    return [x.grad, *(p.grad for p in model.parameters() if p.grad is not None)]
+
+
+def compiled_run(how: str) -> tuple[list[torch.Tensor], int, int, int]:
+    """Gradients, saved bytes, frames compiled and graph breaks of ``torch.compile(model)``."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = build(how)
+    counter = CompileCounterWithBackend("aot_eager")
+    x = torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(1))
+    loss, nbytes = saved_bytes(lambda: torch.compile(model, backend=counter)(x))
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return grads(model, x, loss), nbytes, counter.frame_count, breaks
+
+
+def test_torch_compile_of_a_model_with_regions_of_each_engine() -> None:
+    plain, plain_bytes, plain_frames, _ = compiled_run("plain")
+    _, torch_bytes, torch_frames, torch_breaks = compiled_run("torch")
+    for how in ("remat", "remat-policy"):
+        got, nbytes, frames, breaks = compiled_run(how)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain, strict=True)), how
+        # One graph, as torch's checkpoint gets, and no more breaks than it gets.
+        assert (frames, breaks) == (torch_frames, torch_breaks) == (plain_frames, 0), how
+        # The compiled region still saves less than the compiled plain model.
+        assert nbytes < plain_bytes, (how, nbytes, plain_bytes)
+    assert torch_bytes < plain_bytes
+
+
+def test_compiled_apply_keeps_one_graph_and_exact_gradients() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(Block(), Block())
+    wrapped = remat.apply(copy.deepcopy(plain), Block, policy=save_matmuls)
+    x = torch.randn(4, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    expected = grads(plain, x, torch.compile(plain, backend="aot_eager")(x).sum())
+    counter = CompileCounterWithBackend("aot_eager")
+    loss = torch.compile(wrapped, backend=counter)(x2).sum()
+    assert counter.frame_count == 1
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    got = grads(wrapped, x2, loss)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_policy_offload_must_is_refused_under_compile_and_prefer_is_saved() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from remat._compile import torch_policy
+
+    def prefer(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return Decision.PREFER_OFFLOAD_HOST
+
+    def must(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return Decision.MUST_OFFLOAD_HOST
+
+    aten = torch.ops.aten
+    assert torch_policy(prefer, "", None, aten.mm.default) is CheckpointPolicy.PREFER_SAVE
+    assert torch_policy(save_matmuls, "", None, aten.sin.default) is (
+        CheckpointPolicy.PREFER_RECOMPUTE
+    )
+    # Data-dependent ops are saved whatever a PREFER_ policy says, as in eager.
+    assert torch_policy(save_matmuls, "", None, aten.nonzero.default) is (
+        CheckpointPolicy.MUST_SAVE
+    )
+    with pytest.raises(remat.RematError, match="cannot offload"):
+        torch_policy(must, "", None, aten.mm.default)
+
+
+class NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.relu(self.bn(self.l1(x)))).sin()
+
+
+def test_checkpoint_of_a_compiled_block_is_exact_and_compiles_once() -> None:
+    torch.manual_seed(0)
+    plain = NormBlock()
+    block = copy.deepcopy(plain)
+    x = torch.randn(4, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+
+    torch.manual_seed(2)
+    out, plain_bytes = saved_bytes(lambda: torch.compile(plain, backend="aot_eager")(x))
+    expected = grads(plain, x, out.sum())
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, backend=counter)
+    torch.manual_seed(2)
+    out2, nbytes = saved_bytes(lambda: remat.checkpoint(compiled, x2))
+    assert torch.equal(out, out2)
+    got = grads(block, x2, out2.sum())
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    # The recompute runs the graph compiled in forward: no second trace.
+    assert counter.frame_count == 1
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    # BatchNorm's statistics were written once, as in the plain run.
+    assert int(block.bn.num_batches_tracked) == int(plain.bn.num_batches_tracked) == 1
+    assert torch.equal(block.bn.running_mean, plain.bn.running_mean)
+    assert torch.equal(block.bn.running_var, plain.bn.running_var)
+    # Only the region's input is saved.
+    assert nbytes == x2.numel() * x2.element_size() < plain_bytes
+
+
+def test_checkpoint_of_a_compiled_block_with_a_policy_says_where_to_put_the_region() -> None:
+    compiled = torch.compile(Block(), backend="aot_eager")
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(remat.RematError, match="inside the compiled"):
+        remat.checkpoint(compiled, x, policy=save_matmuls)
+
+
+# Inductor's import of torch.utils.mkldnn warns about torch.jit inside torch itself.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="inductor needs a C compiler on CPU, and none is installed",
+)
+def test_inductor_gradients_match_eager_within_inductor_tolerance() -> None:
+    eager_model = build("plain")
+    x = torch.randn(2, 8, requires_grad=True)
+    expected = grads(eager_model, x, eager_model(x))
+    model = build("mixed")
+    x2 = x.detach().clone().requires_grad_()
+    got = grads(model, x2, torch.compile(model)(x2))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_compiled_region_writes_batchnorm_statistics_once_and_refuses_must_offload() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    model = remat.checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.compile(model, backend="aot_eager")(x).sum().backward()
+    plain(x).sum().backward()
+    bn, plain_bn = model[1], plain[1]
+    assert isinstance(bn, nn.BatchNorm1d) and isinstance(plain_bn, nn.BatchNorm1d)
+    assert int(bn.num_batches_tracked) == 1
+    assert torch.equal(bn.running_mean, plain_bn.running_mean)
+
+    def must_offload(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return Decision.MUST_OFFLOAD_HOST
+
+    torch._dynamo.reset()
+    refused = remat.checkpoint_wrapper(copy.deepcopy(plain), policy=must_offload)
+    # The compiler asks the policy while it builds the graph, and wraps what it raises.
+    failed = torch._dynamo.exc.BackendCompilerFailed
+    with pytest.raises(failed, match=r"RematError: remat: .* under torch\.compile a region cannot"):
+        torch.compile(refused, backend="aot_eager")(x)
