@@ -43,6 +43,7 @@ class Strategy:
     counterpart: str | None = None
     needs_chain: bool = False
     needs_accelerator: bool = False
+    needs_hf: bool = False  # a Hugging Face model (``remat bench --hf``)
     # Memory by resident set instead of allocator events: on CPU, the disk tier frees tensors
     # on its writer threads and maps what it reads, which the profiler's events do not show.
     memory_by_rss: bool = False
@@ -51,6 +52,8 @@ class Strategy:
         """Why this strategy cannot run on ``workload`` on ``device``, or None if it can."""
         if self.needs_chain and not workload.blocks_chain:
             return f"needs blocks that feed each other directly, which {workload.name} lacks"
+        if self.needs_hf and not workload.name.startswith("hf-"):
+            return "enables remat through remat.hf, on Hugging Face models (--hf) only"
         if self.needs_accelerator and device == "cpu":
             return "moves tensors from an accelerator to host memory; there is none on cpu"
         return None
@@ -151,6 +154,12 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def _hf_enable(model: nn.Module, workload: Workload) -> None:
+    from .. import hf
+
+    hf.enable(model)
+
+
 def _none(model: nn.Module, workload: Workload) -> None:
     return None
 
@@ -205,6 +214,13 @@ STRATEGIES: dict[str, Strategy] = {
             "remat region engine, every 2nd block",
             _every(2, _remat_checkpoint),
             "torch-every-2",
+        ),
+        Strategy(
+            "remat-hf",
+            "remat.hf.enable(model): every layer a region, in one call",
+            _hf_enable,
+            "torch-block",
+            needs_hf=True,
         ),
         Strategy(
             "remat-graph-mm",
