@@ -673,3 +673,83 @@ def test_combinators_carry_offload_decisions() -> None:
     assert both(ctx, aten_sin) is D.PREFER_RECOMPUTE
     keep_all = remat.policies.save_if_any(remat.policies.save_everything, offload_mm)
     assert keep_all(ctx, aten_mm) is D.PREFER_SAVE  # kept beats offloaded
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk, then a retry
+# ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """Collection off: what is freed here is freed by reference counting, as in a user's loop
+    where a cycle may wait for the collector for a long time."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _failing_step(model: nn.Module, x: torch.Tensor, seen: list[Any]) -> torch.Tensor:
+    with remat.offload("disk", min_bytes=0):
+        h = model[0](x).tanh()
+        seen.append(weakref.ref(h))  # an activation the tier stores
+        return model[2](h).sigmoid().pow(2).sum()
+
+
+def test_a_failed_step_leaves_no_file_and_the_next_step_succeeds(
+    disk: remat.store.DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from remat.store import _files
+
+    model, x = _mlp()
+    plain = copy.deepcopy(model)
+    write_all = _files.write_all
+    fail = threading.Event()
+
+    def full_once(fd: int, view: Any) -> None:
+        if fail.is_set():  # the second file of the step: the first one is written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fail.set()
+        write_all(fd, view)
+
+    monkeypatch.setattr(_files, "write_all", full_once)
+    seen: list[Any] = []
+    with _no_gc():
+        with pytest.raises(remat.RematError, match="ENOSPC"):
+            _failing_step(model, x, seen)
+        assert seen[0]() is None  # nothing holds the failed step's tensors
+        assert _files_in(disk) == []  # the file written before the failure is gone too
+        monkeypatch.setattr(_files, "write_all", write_all)
+        loss = _failing_step(model, x, seen)
+        loss.backward()
+    plain[2](plain[0](x).tanh()).sigmoid().pow(2).sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+    assert _files_in(disk) == []
+    assert disk.stats.failed_writes == 1
+
+
+def test_views_of_parameters_stay_in_place_and_only_activations_are_written(
+    disk: remat.store.DiskTier,
+) -> None:
+    # nn.Linear saves its input and weight.t(); the view of the weight lives as long as the
+    # weight does, so writing it out frees nothing. What goes to disk is the two activations
+    # the step makes: tanh's output (8 x 32 floats, also linear 2's input) and sigmoid's
+    # output (8 x 16 floats, also pow's input).
+    model, x = _mlp()
+    plain = copy.deepcopy(model)
+    with remat.offload("disk", min_bytes=0):
+        loss = model(x).pow(2).sum()
+    loss.backward()
+    assert disk.stats.bytes_written == (8 * 32 + 8 * 16) * 4
+    assert disk.stats.files_written == 2
+    plain(x).pow(2).sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import pathlib
 import signal
@@ -479,6 +480,53 @@ def test_real_full_disk_on_a_tiny_tmpfs(tmp_path: pathlib.Path) -> None:
         assert os.listdir(_files.parent_directory(mount)) == []
     finally:
         subprocess.run(["umount", str(mount)], check=True, timeout=10)
+
+
+def _deep_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(12):
+        layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def _offloaded_step(model: torch.nn.Module, x: torch.Tensor) -> None:
+    with remat.offload("disk", min_bytes=0):
+        loss = model(x).square().sum()
+    loss.backward()
+
+
+def test_a_step_too_large_for_the_disk_fails_and_a_smaller_one_then_fits(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A 1 MiB disk: a step that saves 13 activations of 128 KiB (the input and 12 tanh
+    # outputs) fails; its files must be gone once the error is raised (by reference counting
+    # alone), so that a step with half the batch (13 x 64 KiB) finds the room it needs.
+    mount = tmp_path / "tiny"
+    if not _mount_tiny_tmpfs(mount):
+        pytest.skip("cannot mount a tmpfs here (needs root on Linux)")
+    model = _deep_mlp()
+    plain = _deep_mlp()
+    x, small = torch.randn(128, 256), torch.randn(64, 256)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with DiskTier(mount) as tier, remat.store.tiers(disk=tier):
+            with pytest.raises(RematError, match="ENOSPC"):
+                _offloaded_step(model, x)
+            assert _files_in(tier) == []
+            model.zero_grad(set_to_none=True)
+            before = tier.stats.bytes_written
+            _offloaded_step(model, small)
+            assert tier.stats.bytes_written - before == 13 * 64 * 256 * 4
+            assert _files_in(tier) == []
+    finally:
+        if enabled:
+            gc.enable()
+        subprocess.run(["umount", str(mount)], check=True, timeout=10)
+    plain(small).square().sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
 
 
 def test_bad_arguments_are_clear_errors(tier: DiskTier, tmp_path: pathlib.Path) -> None:

@@ -108,9 +108,18 @@ class Scope:
         self.min_bytes = min_bytes
 
     def wants(self, t: torch.Tensor) -> bool:
-        if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+        if outlives_the_step(t):
             return False  # model state and inputs live on anyway: moving them frees nothing
         return self.store.takes(t) and t.numel() * t.element_size() >= self.min_bytes
+
+
+def outlives_the_step(t: torch.Tensor) -> bool:
+    """Whether ``t`` is model state or a user's input, or a view of one: a parameter, a leaf
+    that requires grad, or a view whose base is such a tensor (``nn.Linear`` saves
+    ``weight.t()``). Its storage stays alive whatever autograd holds, so storing it in a tier
+    would only copy it, every step."""
+    base = t._base if t._base is not None else t
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
 @contextlib.contextmanager
@@ -188,7 +197,9 @@ def _why_not(scope: Scope, t: torch.Tensor) -> str:
         if t.device.type == "cpu" and scope.store.tier.name == "host":
             return "already in host memory"
         return f"the {scope.store.tier.name} tier does not take this tensor"
-    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+    if outlives_the_step(t):
+        if t._base is not None:
+            return "a view of a leaf that requires grad (a parameter, an input), alive anyway"
         return "a leaf that requires grad, alive anyway"
     return f"smaller than min_bytes={scope.min_bytes}"
 
