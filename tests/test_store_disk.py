@@ -177,29 +177,134 @@ def test_directory_layout(tier: DiskTier, tmp_path: pathlib.Path) -> None:
     assert tier.directory.name.startswith(f"{os.getpid()}-")
 
 
-@pytest.mark.skipif(os.name != "posix", reason="liveness by os.kill(pid, 0)")
-def test_sweep_removes_dead_processes_directories_only(tmp_path: pathlib.Path) -> None:
+def _held(path: pathlib.Path) -> int:
+    """A descriptor holding the exclusive flock of *path* (made if missing), as an owner does."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+@pytest.mark.skipif(os.name != "posix", reason="liveness by flock")
+def test_sweep_removes_the_directories_whose_lock_it_takes_only(tmp_path: pathlib.Path) -> None:
     parent = _files.parent_directory(tmp_path)
     parent.mkdir(mode=0o700)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    stale = parent / f"{os.getpid()}-00aa"  # our own pid: the lock decides, not the pid
+    live = parent / "999999999-00bb"  # a pid no process has: the lock decides
+    unlocked = parent / "999999999-00cc"  # no lock file: nothing says whether it lives
+    foreign = parent / "not-ours"
+    orphan = _files.lock_path(parent / "999999999-00dd")  # its directory is gone already
+    for path in (stale, live, unlocked, foreign):
+        path.mkdir()
+        (path / "00000000.bin").write_bytes(b"x")
+    _files.lock_path(stale).write_bytes(b"")
+    orphan.write_bytes(b"")
+    held = _held(_files.lock_path(live))
     try:
-        stale = parent / f"{dead.pid}-00ff"
-        kept = parent / f"{live.pid}-00ff"
-        foreign = parent / "not-ours"
-        for path in (stale, kept, foreign):
-            path.mkdir()
-            (path / "00000000.bin").write_bytes(b"x")
         mine = _files.private_directory(tmp_path)
-        assert not stale.exists()
-        assert kept.exists() and foreign.exists() and mine.exists()
+        assert not stale.exists() and not _files.lock_path(stale).exists()
+        assert not orphan.exists()
+        assert live.exists() and unlocked.exists() and foreign.exists() and mine.exists()
+        assert _files.lock_path(mine).exists()
         assert _files.sweep_stale(parent) == []  # a second sweep finds nothing
     finally:
-        live.kill()
-        live.wait()
+        os.close(held)  # the owner of `live` dies
         _files.remove_private_directory(mine)
-    assert not mine.exists()
+    assert not mine.exists() and not _files.lock_path(mine).exists()
+    assert _files.sweep_stale(parent) == [live]
+    assert sorted(os.listdir(parent)) == sorted([unlocked.name, foreign.name])
+
+
+def _dead_pid() -> int:
+    """The smallest pid above 2 that no process of this PID namespace has."""
+    for pid in range(3, 1 << 22):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except PermissionError:
+            continue
+    raise AssertionError("no free pid")  # pragma: no cover
+
+
+_OWNER = (
+    "import os, sys, time\n"
+    "pid = int(sys.argv[2])\n"
+    "{become}"
+    "import torch\n"
+    "from remat.store.disk import DiskTier\n"
+    "tier = DiskTier(sys.argv[1])\n"
+    "tier.put(torch.ones(4096, dtype=torch.uint8))\n"
+    "tier.flush()\n"
+    "print(tier.directory, flush=True)\n"
+    "time.sleep(60)\n"
+)
+# Claims a pid it does not have: the sweep must not go by what the name records.
+_CLAIM = "os.getpid = lambda: pid\n"
+# Forks inside a fresh PID namespace until a child has the wanted pid there.
+_FORK = (
+    "while os.getpid() != pid:\n"
+    "    child = os.fork()\n"
+    "    if child == 0:\n"
+    "        if os.getpid() != pid: os._exit(0)\n"
+    "    else:\n"
+    "        os.waitpid(child, 0)\n"
+    "        if child >= pid: sys.exit(f'pid {child} passed {pid}')\n"
+)
+
+
+def _start_owner(prefix: list[str], become: str, root: pathlib.Path) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(remat.__file__).parents[1]))
+    script = _OWNER.format(become=become)
+    command = [*prefix, sys.executable, "-c", script, str(root), str(_dead_pid())]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True)
+
+
+def _live_owner_is_kept_and_swept_once_killed(
+    owner: subprocess.Popen[str], root: pathlib.Path
+) -> None:
+    try:
+        assert owner.stdout is not None
+        line = owner.stdout.readline().strip()
+        assert line, "the owner process failed"
+        left = pathlib.Path(line)
+        pid = int(left.name.split("-")[0])
+        with pytest.raises(ProcessLookupError):  # what its name records looks dead here
+            os.kill(pid, 0)
+        with DiskTier(root):
+            assert left.is_dir() and os.listdir(left) == ["00000000.bin"]
+    finally:
+        owner.kill()
+        owner.communicate()
+    with DiskTier(root) as tier:
+        assert not left.exists()
+        assert sorted(os.listdir(tier.directory.parent)) == sorted(
+            [tier.directory.name, _files.lock_path(tier.directory).name]
+        )
+
+
+@pytest.mark.skipif(os.name != "posix", reason="liveness by flock")
+def test_a_live_owner_whose_pid_looks_dead_is_not_swept(tmp_path: pathlib.Path) -> None:
+    owner = _start_owner([], _CLAIM, tmp_path)
+    _live_owner_is_kept_and_swept_once_killed(owner, tmp_path)
+
+
+def _unshare_pid() -> list[str]:
+    command = ["unshare", "--pid", "--fork", "--kill-child"]
+    try:
+        done = subprocess.run([*command, "true"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot run unshare to make a PID namespace: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"unshare --pid is not permitted here: {done.stderr.strip()}")
+    return command
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PID namespaces are Linux's")
+def test_an_owner_in_another_pid_namespace_is_not_swept(tmp_path: pathlib.Path) -> None:
+    owner = _start_owner(_unshare_pid(), _FORK, tmp_path)
+    _live_owner_is_kept_and_swept_once_killed(owner, tmp_path)
 
 
 _CHILD = (

@@ -11,14 +11,36 @@ outlive the process that wrote them, however it ends:
   directory under the same parent sweeps the directories of processes that are gone
   (``sweep_stale``).
 
-Layout: ``<root>/remat-offload-<uid>/<pid>-<token>/``. The parent is per user, so that one
-user's sweep never meets another user's files and a shared ``/tmp`` cannot be used to plant a
-directory where ours goes; both levels are mode ``0o700``, checked after creation because a
-umask can only take bits away and a restrictive one would leave us unable to read back.
+Layout: ``<root>/remat-offload-<uid>/<pid>-<token>/``, beside its lock file
+``<pid>-<token>.lock``. The parent is per user, so that one user's sweep never meets another
+user's files and a shared ``/tmp`` cannot be used to plant a directory where ours goes; both
+levels are mode ``0o700``, checked after creation because a umask can only take bits away and
+a restrictive one would leave us unable to read back.
 
-The liveness test is ``os.kill(pid, 0)``. It is conservative: a directory whose pid was taken
-by another live process is kept until that process ends, never removed early. Sweeping runs on
-POSIX only (on Windows ``os.kill`` terminates the process).
+NOTE [ Who is alive: a lock, not a pid ]
+
+A directory is live while its owner holds an exclusive ``flock`` on its lock file; the kernel
+releases the lock when the owner dies, however it dies. The pid in the name is for people
+reading a listing, never for deciding: a process in another PID namespace (a container that
+shares the scratch directory) has a pid that means nothing here, or means another process.
+
+1. **create**: the lock file is created (``O_EXCL``) and locked before the directory exists,
+   and the owner checks that the path still names the file it locked (a sweep may have removed
+   a lock file in the instant between its creation and its locking; the owner then starts
+   again with a new name). So whenever the directory exists, its owner holds the lock.
+2. **hold**: the lock's descriptor stays open for the directory's life (``O_CLOEXEC``: a
+   program the owner executes does not inherit it; a forked child does, and keeps the
+   directory live while it runs).
+3. **sweep**: for each ``<pid>-<token>`` directory, try a non-blocking exclusive lock on its
+   lock file. Obtained: the owner is gone; remove the directory, then the lock file, then let
+   go. Refused: the owner lives; keep it. No lock file: not a directory this rule covers (made
+   by a remat that recorded only a pid); keep it. A lock file with no directory (an owner or a
+   sweep killed between the two removals) is removed the same way.
+4. **remove**: ``close()``, the finalizer or ``atexit`` remove the directory, then the lock
+   file, then close the descriptor.
+
+The lock needs a filesystem where ``flock`` works between every process that shares it (local
+disks, tmpfs; on NFS only where the client maps it to NFS locks). Sweeping runs on POSIX only.
 """
 
 from __future__ import annotations
@@ -47,10 +69,12 @@ __all__: list[str] = []
 # Bytes per os.write/readinto call: few enough calls to cost nothing, below Linux's ~2 GiB cap.
 CHUNK_BYTES = 1 << 30
 _PRIVATE_MODE = 0o700
-_NAME = re.compile(r"^(\d+)-[0-9a-f]+$")
+_NAME = re.compile(r"^\d+-[0-9a-f]+$")
+_LOCK_SUFFIX = ".lock"
 
 _lock = threading.Lock()
-_live: dict[pathlib.Path, int] = {}  # directory -> pid of the process that owns it
+# directory -> (pid of the process that owns it, descriptor of its locked lock file or -1)
+_live: dict[pathlib.Path, tuple[int, int]] = {}
 _atexit_registered = False
 
 
@@ -80,60 +104,114 @@ def private_directory(root: str | os.PathLike[str] | None) -> pathlib.Path:
     sweep_stale(parent)
     while True:
         path = parent / f"{os.getpid()}-{secrets.token_hex(8)}"
+        fd = _take_lock(lock_path(path))  # [1. create]: the lock first
+        if fd is None:  # pragma: no cover - a name collided, or a sweep removed the lock file
+            continue
         try:
             _make_private(path, exist_ok=False)
-        except FileExistsError:  # pragma: no cover - 64 random bits collided
-            continue
+        except BaseException:
+            _release(path, fd)
+            raise
         break
-    _register(path)
+    _register(path, fd)
     return path
 
 
-def sweep_stale(parent: pathlib.Path) -> list[pathlib.Path]:
-    """Remove the directories under *parent* whose process is gone; return those removed.
+def lock_path(directory: pathlib.Path) -> pathlib.Path:
+    """The lock file whose holder keeps *directory* live; see NOTE [ Who is alive ]."""
+    return directory.with_name(directory.name + _LOCK_SUFFIX)
 
-    Entries that do not look like ours (``<pid>-<hex>``) are left alone, as are directories of
-    live processes. Other processes may sweep the same parent at the same time: whatever they
-    removed first is skipped.
+
+def sweep_stale(parent: pathlib.Path) -> list[pathlib.Path]:
+    """Remove the directories under *parent* whose owner is gone; return those removed.
+
+    An owner is gone when the lock on its lock file can be taken (see NOTE [ Who is alive ]
+    [3. sweep]). Entries that do not look like ours (``<pid>-<hex>``) are left alone, as are
+    directories without a lock file. Other processes may sweep the same parent at the same
+    time: whatever they removed first is skipped.
     """
-    if os.name != "posix":  # pragma: no cover - os.kill(pid, 0) would terminate on Windows
+    if os.name != "posix":  # pragma: no cover - no flock
         return []
     try:
-        names = os.listdir(parent)
+        names = set(os.listdir(parent))
     except FileNotFoundError:
         return []
     removed = []
-    for name in names:
-        match = _NAME.match(name)
-        if match is None or _alive(int(match.group(1))):
-            continue
+    for name in sorted(names):
+        if name.endswith(_LOCK_SUFFIX):
+            name = name[: -len(_LOCK_SUFFIX)]
+            if not _NAME.match(name) or name in names:
+                continue  # not ours, or handled with its directory
+        elif not _NAME.match(name) or name + _LOCK_SUFFIX not in names:
+            continue  # not ours, or no lock file: nothing tells whether its owner lives
         path = parent / name
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.lexists(path):
-            removed.append(path)
+        fd = _try_lock(lock_path(path))
+        if fd is None:
+            continue  # the owner lives, or another sweep is removing it
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                unlink_quietly(lock_path(path))
+                if name in names:
+                    removed.append(path)
+        finally:
+            os.close(fd)
     return removed
 
 
 def remove_private_directory(path: pathlib.Path) -> None:
     """Remove *path* and everything in it, if this process created it; never raises."""
     with _lock:
-        owner = _live.pop(path, None)
+        owner, fd = _live.pop(path, (-1, -1))
     if owner == os.getpid():  # a forked child must not remove its parent's files
         shutil.rmtree(path, ignore_errors=True)
+        _release(path, fd)
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+def _take_lock(path: pathlib.Path) -> int | None:
+    """Create *path* and lock it for good; ``None`` if the name is taken or the file was
+    removed before the lock was held ([1. create])."""
+    if os.name != "posix":  # pragma: no cover - no flock: nothing is swept either
+        return -1
+    import fcntl
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    except OSError:  # pragma: no cover - unsure, so keep the directory
-        return True
-    return True
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            return fd
+    except OSError:  # a sweep holds it (and is about to remove it), or removed it already
+        pass
+    os.close(fd)
+    return None
+
+
+def _try_lock(path: pathlib.Path) -> int | None:
+    """A descriptor holding the exclusive lock of *path*; ``None`` if its owner lives."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:  # removed meanwhile, or not ours to open
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _release(path: pathlib.Path, fd: int) -> None:
+    """[4. remove]: the lock file goes before the lock, so no sweep ever finds it unlocked
+    while the directory is being removed."""
+    unlink_quietly(lock_path(path))
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _make_private(path: pathlib.Path, *, exist_ok: bool) -> None:
@@ -153,10 +231,10 @@ def _make_private(path: pathlib.Path, *, exist_ok: bool) -> None:
         os.chmod(path, _PRIVATE_MODE)
 
 
-def _register(path: pathlib.Path) -> None:
+def _register(path: pathlib.Path, fd: int) -> None:
     global _atexit_registered
     with _lock:
-        _live[path] = os.getpid()
+        _live[path] = (os.getpid(), fd)
         if not _atexit_registered:
             atexit.register(_remove_all)
             _atexit_registered = True
