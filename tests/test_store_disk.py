@@ -178,10 +178,10 @@ def test_directory_layout(tier: DiskTier, tmp_path: pathlib.Path) -> None:
 
 
 def _held(path: pathlib.Path) -> int:
-    """A descriptor holding the exclusive flock of *path* (made if missing), as an owner does."""
+    """A descriptor holding the exclusive flock of the directory *path*, as an owner does."""
     import fcntl
 
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return fd
 
@@ -192,28 +192,23 @@ def test_sweep_removes_the_directories_whose_lock_it_takes_only(tmp_path: pathli
     parent.mkdir(mode=0o700)
     stale = parent / f"{os.getpid()}-00aa"  # our own pid: the lock decides, not the pid
     live = parent / "999999999-00bb"  # a pid no process has: the lock decides
-    unlocked = parent / "999999999-00cc"  # no lock file: nothing says whether it lives
+    staging = parent / ".999999999-00cc.new"  # an owner killed while creating it
     foreign = parent / "not-ours"
-    orphan = _files.lock_path(parent / "999999999-00dd")  # its directory is gone already
-    for path in (stale, live, unlocked, foreign):
+    for path in (stale, live, staging, foreign):
         path.mkdir()
         (path / "00000000.bin").write_bytes(b"x")
-    _files.lock_path(stale).write_bytes(b"")
-    orphan.write_bytes(b"")
-    held = _held(_files.lock_path(live))
+    held = _held(live)
     try:
         mine = _files.private_directory(tmp_path)
-        assert not stale.exists() and not _files.lock_path(stale).exists()
-        assert not orphan.exists()
-        assert live.exists() and unlocked.exists() and foreign.exists() and mine.exists()
-        assert _files.lock_path(mine).exists()
+        assert not stale.exists() and not staging.exists()
+        assert live.exists() and foreign.exists() and mine.exists()
         assert _files.sweep_stale(parent) == []  # a second sweep finds nothing
     finally:
         os.close(held)  # the owner of `live` dies
         _files.remove_private_directory(mine)
-    assert not mine.exists() and not _files.lock_path(mine).exists()
+    assert not mine.exists()
     assert _files.sweep_stale(parent) == [live]
-    assert sorted(os.listdir(parent)) == sorted([unlocked.name, foreign.name])
+    assert os.listdir(parent) == [foreign.name]
 
 
 def _dead_pid() -> int:
@@ -279,9 +274,7 @@ def _live_owner_is_kept_and_swept_once_killed(
         owner.communicate()
     with DiskTier(root) as tier:
         assert not left.exists()
-        assert sorted(os.listdir(tier.directory.parent)) == sorted(
-            [tier.directory.name, _files.lock_path(tier.directory).name]
-        )
+        assert os.listdir(tier.directory.parent) == [tier.directory.name]
 
 
 @pytest.mark.skipif(os.name != "posix", reason="liveness by flock")

@@ -11,33 +11,32 @@ outlive the process that wrote them, however it ends:
   directory under the same parent sweeps the directories of processes that are gone
   (``sweep_stale``).
 
-Layout: ``<root>/remat-offload-<uid>/<pid>-<token>/``, beside its lock file
-``<pid>-<token>.lock``. The parent is per user, so that one user's sweep never meets another
-user's files and a shared ``/tmp`` cannot be used to plant a directory where ours goes; both
-levels are mode ``0o700``, checked after creation because a umask can only take bits away and
-a restrictive one would leave us unable to read back.
+Layout: ``<root>/remat-offload-<uid>/<pid>-<token>/``. The parent is per user, so that one
+user's sweep never meets another user's files and a shared ``/tmp`` cannot be used to plant a
+directory where ours goes; both levels are mode ``0o700``, checked after creation because a
+umask can only take bits away and a restrictive one would leave us unable to read back.
 
 NOTE [ Who is alive: a lock, not a pid ]
 
-A directory is live while its owner holds an exclusive ``flock`` on its lock file; the kernel
-releases the lock when the owner dies, however it dies. The pid in the name is for people
-reading a listing, never for deciding: a process in another PID namespace (a container that
-shares the scratch directory) has a pid that means nothing here, or means another process.
+A directory is live while its owner holds an exclusive ``flock`` on it (on the directory
+itself, so that the tier's files are all there is); the kernel releases the lock when the
+owner dies, however it dies. The pid in the name is for people reading a listing, never for
+deciding: a process in another PID namespace (a container that shares the scratch directory)
+has a pid that means nothing here, or means another process.
 
-1. **create**: the lock file is created (``O_EXCL``) and locked before the directory exists,
-   and the owner checks that the path still names the file it locked (a sweep may have removed
-   a lock file in the instant between its creation and its locking; the owner then starts
-   again with a new name). So whenever the directory exists, its owner holds the lock.
-2. **hold**: the lock's descriptor stays open for the directory's life (``O_CLOEXEC``: a
+1. **create**: the directory is made under a staging name (``.<pid>-<token>.new``), opened
+   and locked, then renamed to its name; the lock, held on the directory's inode, moves with
+   it. So whenever a directory has its name, its owner holds the lock. A sweep that took the
+   lock of a staging directory in the instant before its owner did removes it; the owner's
+   lock or rename then fails, and it starts again with a new name.
+2. **hold**: the locked descriptor stays open for the directory's life (``O_CLOEXEC``: a
    program the owner executes does not inherit it; a forked child does, and keeps the
    directory live while it runs).
-3. **sweep**: for each ``<pid>-<token>`` directory, try a non-blocking exclusive lock on its
-   lock file. Obtained: the owner is gone; remove the directory, then the lock file, then let
-   go. Refused: the owner lives; keep it. No lock file: not a directory this rule covers (made
-   by a remat that recorded only a pid); keep it. A lock file with no directory (an owner or a
-   sweep killed between the two removals) is removed the same way.
-4. **remove**: ``close()``, the finalizer or ``atexit`` remove the directory, then the lock
-   file, then close the descriptor.
+3. **sweep**: for each ``<pid>-<token>`` (or staging) directory, try a non-blocking exclusive
+   lock. Obtained: the owner is gone; remove the directory, then let go. Refused: the owner
+   lives; keep it.
+4. **remove**: ``close()``, the finalizer or ``atexit`` remove the directory, then close the
+   descriptor.
 
 The lock needs a filesystem where ``flock`` works between every process that shares it (local
 disks, tmpfs; on NFS only where the client maps it to NFS locks). Sweeping runs on POSIX only.
@@ -69,11 +68,10 @@ __all__: list[str] = []
 # Bytes per os.write/readinto call: few enough calls to cost nothing, below Linux's ~2 GiB cap.
 CHUNK_BYTES = 1 << 30
 _PRIVATE_MODE = 0o700
-_NAME = re.compile(r"^\d+-[0-9a-f]+$")
-_LOCK_SUFFIX = ".lock"
+_NAME = re.compile(r"^\.?\d+-[0-9a-f]+(\.new)?$")  # named, or staging ([1. create])
 
 _lock = threading.Lock()
-# directory -> (pid of the process that owns it, descriptor of its locked lock file or -1)
+# directory -> (pid of the process that owns it, its locked descriptor or -1)
 _live: dict[pathlib.Path, tuple[int, int]] = {}
 _atexit_registered = False
 
@@ -102,58 +100,56 @@ def private_directory(root: str | os.PathLike[str] | None) -> pathlib.Path:
             f"DiskTier(directory=...)."
         ) from exc
     sweep_stale(parent)
-    while True:
-        path = parent / f"{os.getpid()}-{secrets.token_hex(8)}"
-        fd = _take_lock(lock_path(path))  # [1. create]: the lock first
-        if fd is None:  # pragma: no cover - a name collided, or a sweep removed the lock file
+    while True:  # [1. create]
+        name = f"{os.getpid()}-{secrets.token_hex(8)}"
+        staging, path = parent / f".{name}.new", parent / name
+        try:
+            _make_private(staging, exist_ok=False)
+        except FileExistsError:  # pragma: no cover - 64 random bits collided
+            continue
+        fd = _try_lock(staging)
+        if fd is None:  # pragma: no cover - a sweep took it first, and removes it
             continue
         try:
-            _make_private(path, exist_ok=False)
+            os.rename(staging, path)
+        except FileNotFoundError:  # pragma: no cover - a sweep removed it before our lock
+            os.close(fd)
+            continue
         except BaseException:
-            _release(path, fd)
+            shutil.rmtree(staging, ignore_errors=True)
+            os.close(fd)
             raise
         break
     _register(path, fd)
     return path
 
 
-def lock_path(directory: pathlib.Path) -> pathlib.Path:
-    """The lock file whose holder keeps *directory* live; see NOTE [ Who is alive ]."""
-    return directory.with_name(directory.name + _LOCK_SUFFIX)
-
-
 def sweep_stale(parent: pathlib.Path) -> list[pathlib.Path]:
     """Remove the directories under *parent* whose owner is gone; return those removed.
 
-    An owner is gone when the lock on its lock file can be taken (see NOTE [ Who is alive ]
-    [3. sweep]). Entries that do not look like ours (``<pid>-<hex>``) are left alone, as are
-    directories without a lock file. Other processes may sweep the same parent at the same
-    time: whatever they removed first is skipped.
+    An owner is gone when the lock on its directory can be taken (NOTE [ Who is alive ]
+    [3. sweep]). Entries that do not look like ours (``<pid>-<hex>``) are left alone. Other
+    processes may sweep the same parent at the same time: whatever they removed first, or hold
+    the lock of, is skipped.
     """
     if os.name != "posix":  # pragma: no cover - no flock
         return []
     try:
-        names = set(os.listdir(parent))
+        names = os.listdir(parent)
     except FileNotFoundError:
         return []
     removed = []
     for name in sorted(names):
-        if name.endswith(_LOCK_SUFFIX):
-            name = name[: -len(_LOCK_SUFFIX)]
-            if not _NAME.match(name) or name in names:
-                continue  # not ours, or handled with its directory
-        elif not _NAME.match(name) or name + _LOCK_SUFFIX not in names:
-            continue  # not ours, or no lock file: nothing tells whether its owner lives
+        if _NAME.match(name) is None:
+            continue
         path = parent / name
-        fd = _try_lock(lock_path(path))
+        fd = _try_lock(path)
         if fd is None:
             continue  # the owner lives, or another sweep is removing it
         try:
             shutil.rmtree(path, ignore_errors=True)
             if not os.path.lexists(path):
-                unlink_quietly(lock_path(path))
-                if name in names:
-                    removed.append(path)
+                removed.append(path)
         finally:
             os.close(fd)
     return removed
@@ -164,38 +160,23 @@ def remove_private_directory(path: pathlib.Path) -> None:
     with _lock:
         owner, fd = _live.pop(path, (-1, -1))
     if owner == os.getpid():  # a forked child must not remove its parent's files
-        shutil.rmtree(path, ignore_errors=True)
-        _release(path, fd)
+        shutil.rmtree(path, ignore_errors=True)  # [4. remove]: still locked meanwhile
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
-def _take_lock(path: pathlib.Path) -> int | None:
-    """Create *path* and lock it for good; ``None`` if the name is taken or the file was
-    removed before the lock was held ([1. create])."""
+def _try_lock(path: pathlib.Path) -> int | None:
+    """A descriptor of the directory *path* holding its exclusive lock; ``None`` if another
+    holds it (its owner lives), or it is gone or not a directory. ``-1`` without ``flock``."""
     if os.name != "posix":  # pragma: no cover - no flock: nothing is swept either
         return -1
     import fcntl
 
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.stat(path).st_ino == os.fstat(fd).st_ino:
-            return fd
-    except OSError:  # a sweep holds it (and is about to remove it), or removed it already
-        pass
-    os.close(fd)
-    return None
-
-
-def _try_lock(path: pathlib.Path) -> int | None:
-    """A descriptor holding the exclusive lock of *path*; ``None`` if its owner lives."""
-    import fcntl
-
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:  # removed meanwhile, or not ours to open
+        fd = os.open(path, flags)
+    except OSError:  # removed meanwhile, a symlink, not a directory, not ours to open
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -203,15 +184,6 @@ def _try_lock(path: pathlib.Path) -> int | None:
         os.close(fd)
         return None
     return fd
-
-
-def _release(path: pathlib.Path, fd: int) -> None:
-    """[4. remove]: the lock file goes before the lock, so no sweep ever finds it unlocked
-    while the directory is being removed."""
-    unlink_quietly(lock_path(path))
-    if fd >= 0:
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
 def _make_private(path: pathlib.Path, *, exist_ok: bool) -> None:

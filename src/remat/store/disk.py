@@ -54,8 +54,8 @@ state (``_Shared``), never the tier itself, so a forgotten tier is collected at 
 8. **exit**: the worker threads are not daemons: ``concurrent.futures`` finishes their queued
    work at interpreter shutdown, then the finalizers and the ``atexit`` hook of ``_files.py``
    remove what is left.
-9. **killed**: SIGKILL runs nothing. The kernel releases the lock the tier held on its lock
-   file, and the next process creating a directory under the same parent removes every
+9. **killed**: SIGKILL runs nothing. The kernel releases the lock the tier held on its
+   directory, and the next process creating a directory under the same parent removes every
    directory whose lock it can take (``_files.sweep_stale``; NOTE [ Who is alive: a lock, not
    a pid ] in ``_files.py``), whatever PID namespace either process runs in.
 """
