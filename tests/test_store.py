@@ -482,16 +482,29 @@ def test_loads_follow_stores_on_the_lane() -> None:
     ("call", "message"),
     [
         (lambda: remat.offload("hots"), r"unknown tier 'hots'.*did you mean 'host'"),
-        (lambda: remat.offload("host", min_bytes=-1), r"min_bytes must be an int >= 0"),
-        (lambda: remat.offload("host", prefetch=-2), r"prefetch must be an int >= 0"),
-        (lambda: remat.offload(object()), r"tier must be 'host', 'disk' or a tier object"),  # type: ignore[arg-type]
-        (lambda: remat.store.tiers(host=3), r"host= must be a tier"),  # type: ignore[arg-type]
-        (lambda: remat.policies.offload_everything("ssd"), r"tier must be 'host' or 'disk'"),
+        (lambda: remat.offload("host", min_bytes=-1), r"expected min_bytes to be an int >= 0"),
+        (lambda: remat.offload("host", min_bytes=1.5), r"min_bytes .* found 1\.5\. Pass e\.g\."),
+        (lambda: remat.offload("host", prefetch=-2), r"expected prefetch to be an int >= 0"),
+        (lambda: remat.offload("host", prefetch=True), r"prefetch .* found True"),
+        (lambda: remat.offload(object()), r"expected tier to be 'host', 'disk' or a tier object"),  # type: ignore[arg-type]
+        (lambda: remat.store.tiers(host=3), r"expected host= to be a tier .* found int 3"),  # type: ignore[arg-type]
+        (lambda: HostTier(max_in_flight=0), r"HostTier expected max_in_flight to be an int >= 1"),
+        (lambda: HostTier(max_in_flight=True), r"max_in_flight .* found True"),
+        (lambda: HostTier(include_cpu=1), r"HostTier expected include_cpu to be True or False"),  # type: ignore[arg-type]
+        (lambda: HostTier(max_cached_bytes=-1), r"HostTier expected max_cached_bytes to be an"),
+        (lambda: Store(Recording(), prefetch=-1), r"expected prefetch to be an int >= 0"),  # type: ignore[arg-type]
     ],
 )
-def test_bad_input(call: Callable[[], Any], message: str) -> None:
-    with pytest.raises(remat.RematError, match=message), call():
-        pass
+def test_bad_input_raises_when_given(call: Callable[[], Any], message: str) -> None:
+    # Raised by the call itself, not when a block is entered or the value first used.
+    with pytest.raises(remat.RematError, match=f"^remat: .*{message}") as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+def test_an_offload_policy_refuses_an_unknown_tier() -> None:
+    with pytest.raises(remat.RematError, match=r"tier must be 'host' or 'disk'"):
+        remat.policies.offload_everything("ssd")
 
 
 def test_host_tier_refuses_cpu_tensors_unless_asked() -> None:
@@ -522,11 +535,6 @@ def test_an_offload_decision_on_a_data_dependent_op_is_honoured(host: HostTier) 
     )
     assert torch.equal(expected[0], actual[0])
     assert host.stats.copies_out - before >= 1
-
-
-def test_store_rejects_a_bad_prefetch() -> None:
-    with pytest.raises(remat.RematError, match=r"prefetch must be an int >= 0"):
-        Store(Recording(), prefetch=-1)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -638,6 +638,8 @@ def test_bad_arguments_are_clear_errors(tier: DiskTier, tmp_path: pathlib.Path) 
             tier.put(bad)  # type: ignore[arg-type]
     with pytest.raises(RematError, match="threads to be an int >= 1"):
         DiskTier(tmp_path, threads=0)
+    with pytest.raises(RematError, match=r"threads to be an int >= 1, found True"):
+        DiskTier(tmp_path, threads=True)
     with pytest.raises(RematError, match="max_pending_bytes"):
         DiskTier(tmp_path, max_pending_bytes=0)
     with DiskTier(tmp_path) as other:
@@ -648,6 +650,53 @@ def test_bad_arguments_are_clear_errors(tier: DiskTier, tmp_path: pathlib.Path) 
             tier.prefetch(foreign, CPU)
         tier.drop(foreign)  # not ours: ignored
         assert torch.equal(other.get(foreign, CPU), _bytes(1))
+
+
+@pytest.mark.parametrize(
+    ("directory", "message"),
+    [
+        (123, r"expected directory to be a path \(str or os.PathLike\) or None, found int 123"),
+        (b"/tmp", r"expected directory to be a path .* found bytes b'/tmp'"),
+        ("", r"expected directory to be a non-empty path .* found ''"),
+        (
+            "/tmp/\0x",
+            r"expected directory to be a non-empty path without NUL bytes, found '/tmp/\\x00x'",
+        ),
+    ],
+)
+def test_a_directory_that_is_no_path_is_a_clear_error(directory: object, message: str) -> None:
+    with pytest.raises(RematError, match=f"^remat: DiskTier {message}.*DiskTier\\(directory="):
+        DiskTier(directory)  # type: ignore[arg-type]
+
+
+def test_a_directory_that_is_a_file_is_a_clear_error(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(RematError, match=r"^remat: DiskTier expected directory=.*file' to be a "):
+        DiskTier(tmp_path / "file")
+    (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(RematError, match=r"found a broken symbolic link"):
+        DiskTier(tmp_path / "broken")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symbolic links")
+def test_a_symlinked_tier_directory_is_refused_with_its_target(tmp_path: pathlib.Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    _files.parent_directory(root).symlink_to(elsewhere)
+    with pytest.raises(
+        RematError,
+        match=rf"^remat: expected .*remat-offload-\d+ to be a real directory, found a symbolic "
+        rf"link to '{elsewhere}'.*Remove the link.*DiskTier\(directory=",
+    ):
+        DiskTier(root)
+    assert os.listdir(elsewhere) == []
+    # A symbolic link the user passes as the directory itself is the user's choice: followed.
+    (tmp_path / "link").symlink_to(root / "real", target_is_directory=True)
+    (root / "real").mkdir()
+    with DiskTier(tmp_path / "link") as tier:
+        assert tier.directory.resolve().parent.parent == root / "real"
 
 
 def test_concurrent_callers(tier: DiskTier) -> None:

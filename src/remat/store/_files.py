@@ -193,6 +193,14 @@ def _make_private(path: pathlib.Path, *, exist_ok: bool) -> None:
         if not exist_ok:
             raise
     info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise RematError(
+            f"remat: expected {path} to be a real directory, found a symbolic link to "
+            f"{os.readlink(path)!r}: the disk tier does not follow links inside its directory, "
+            f"since whoever made the link chooses where the offloaded tensors go. Remove the "
+            f"link (remat makes the directory itself), or pass another place with "
+            f"DiskTier(directory=...)."
+        )
     if not stat.S_ISDIR(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
         raise RematError(
             f"remat: expected {path} to be a directory owned by this user, found "

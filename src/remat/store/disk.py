@@ -76,7 +76,7 @@ from types import TracebackType
 import torch
 
 from ..errors import RematError
-from . import _files
+from . import _args, _files
 from ._files import sequential_bandwidth as sequential_bandwidth
 from ._tier import Ticket
 
@@ -260,21 +260,16 @@ class DiskTier:
         threads: int = 2,
         max_pending_bytes: int = 64 * 2**20,
     ) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise RematError(
-                f"remat: expected threads to be an int >= 1, found {threads!r}. Pass e.g. "
-                f"DiskTier(threads=2)."
-            )
-        if (
-            isinstance(max_pending_bytes, bool)
-            or not isinstance(max_pending_bytes, int)
-            or max_pending_bytes < 1
-        ):
-            raise RematError(
-                f"remat: expected max_pending_bytes to be an int >= 1, found "
-                f"{max_pending_bytes!r}. Pass e.g. DiskTier(max_pending_bytes=64 * 2**20)."
-            )
-        path = _files.private_directory(directory)
+        root = _args.check_directory("DiskTier", directory)
+        _args.check_int("DiskTier", "threads", threads, 1, "DiskTier(threads=2)")
+        _args.check_int(
+            "DiskTier",
+            "max_pending_bytes",
+            max_pending_bytes,
+            1,
+            "DiskTier(max_pending_bytes=64 * 2**20)",
+        )
+        path = _files.private_directory(root)
         self._shared = _Shared(path, threads, max_pending_bytes)
         self._finalizer = weakref.finalize(self, self._shared.close)
 

@@ -18,6 +18,7 @@ import torch
 
 from .. import _state
 from ..errors import RematError, did_you_mean
+from ._args import check_int
 from ._store import Saved, Store
 from ._tier import Tier
 
@@ -51,12 +52,16 @@ def _default(name: str) -> Tier:
 
 def tier_named(name: str) -> Tier:
     """The tier object ``name`` stands for on this thread now."""
+    _check_name(name)
+    return _chosen.tiers.get(name) or _default(name)
+
+
+def _check_name(name: str) -> None:
     if name not in _NAMES:
         raise RematError(
-            f"remat: unknown tier {name!r}; expected one of {', '.join(_NAMES)}"
-            f"{did_you_mean(name, _NAMES)}."
+            f"remat: unknown tier {name!r}; expected one of {', '.join(map(repr, _NAMES))}"
+            f"{did_you_mean(name, _NAMES)}, or a tier object such as remat.store.DiskTier()."
         )
-    return _chosen.tiers.get(name) or _default(name)
 
 
 def store_for(tier: Tier | str) -> Store:
@@ -70,8 +75,9 @@ def store_for(tier: Tier | str) -> Store:
         return store
 
 
-@contextlib.contextmanager
-def tiers(*, host: Tier | None = None, disk: Tier | None = None) -> Iterator[None]:
+def tiers(
+    *, host: Tier | None = None, disk: Tier | None = None
+) -> contextlib.AbstractContextManager[None]:
     """Use these tier objects for the names ``"host"`` and ``"disk"`` in this block.
 
     ::
@@ -83,9 +89,16 @@ def tiers(*, host: Tier | None = None, disk: Tier | None = None) -> Iterator[Non
     for name, tier in (("host", host), ("disk", disk)):
         if tier is not None and not _is_tier(tier):
             raise RematError(
-                f"remat.store.tiers: {name}= must be a tier (HostTier, DiskTier or an object "
-                f"with put/prefetch/get/drop/flush/close), got {type(tier).__name__}."
+                f"remat: remat.store.tiers expected {name}= to be a tier (HostTier, DiskTier "
+                f"or an object with put/prefetch/get/drop/flush/close), found "
+                f"{type(tier).__name__} {tier!r}. Pass e.g. {name}=remat.store."
+                f"{'HostTier' if name == 'host' else 'DiskTier'}()."
             )
+    return _using(host, disk)
+
+
+@contextlib.contextmanager
+def _using(host: Tier | None, disk: Tier | None) -> Iterator[None]:
     previous = dict(_chosen.tiers)
     _chosen.tiers.update({k: v for k, v in (("host", host), ("disk", disk)) if v is not None})
     try:
@@ -122,10 +135,9 @@ def outlives_the_step(t: torch.Tensor) -> bool:
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
-@contextlib.contextmanager
 def offload(
     tier: TierName | Tier = "host", *, min_bytes: int = 1024, prefetch: int | None = None
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Offload what the block saves for backward to ``tier``, until backward needs it.
 
     Every tensor autograd saves inside the block, of at least ``min_bytes``, goes to the tier
@@ -143,19 +155,24 @@ def offload(
             loss = model(x)
         loss.backward()
     """
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-        raise RematError(f"remat.offload: min_bytes must be an int >= 0, got {min_bytes!r}.")
-    if isinstance(tier, str):
-        store = store_for(tier_named(tier))
-    elif _is_tier(tier):
-        store = store_for(tier)
-    else:
-        raise RematError(
-            f"remat.offload: tier must be 'host', 'disk' or a tier object, got {tier!r}."
-        )
+    check_int("remat.offload", "min_bytes", min_bytes, 0, "remat.offload(min_bytes=1024)")
     if prefetch is not None:
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise RematError(f"remat.offload: prefetch must be an int >= 0, got {prefetch!r}.")
+        check_int("remat.offload", "prefetch", prefetch, 0, "remat.offload(prefetch=2)")
+    if isinstance(tier, str):
+        _check_name(tier)  # the object is the one the name stands for when the block starts
+    elif not _is_tier(tier):
+        raise RematError(
+            f"remat: remat.offload expected tier to be 'host', 'disk' or a tier object (with "
+            f"put/prefetch/get/drop/flush/close), found {type(tier).__name__} {tier!r}. Pass "
+            f"e.g. remat.offload('disk') or remat.offload(remat.store.DiskTier('/scratch'))."
+        )
+    return _offload_block(tier, min_bytes, prefetch)
+
+
+@contextlib.contextmanager
+def _offload_block(tier: TierName | Tier, min_bytes: int, prefetch: int | None) -> Iterator[None]:
+    store = store_for(tier_named(tier) if isinstance(tier, str) else tier)
+    if prefetch is not None:
         store.prefetch = prefetch
     scope = Scope(store, min_bytes)
     previous = _state.state.offload
