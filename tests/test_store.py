@@ -761,3 +761,25 @@ def test_views_of_parameters_stay_in_place_and_only_activations_are_written(
     plain(x).pow(2).sum().backward()
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+
+
+def test_buffers_stay_in_place_and_only_activations_are_written(
+    disk: remat.store.DiskTier,
+) -> None:
+    # BatchNorm saves its running statistics, buffers that outlive the step; what goes to disk
+    # is the linear output (8 x 32 floats), the batch's mean and inverse std (32 floats each),
+    # tanh's output (8 x 32 floats) and the last linear's output, which pow saves (8 x 16).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 16))
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 16, requires_grad=True)
+    with remat.offload("disk", min_bytes=0):
+        loss = model(x).pow(2).sum()
+    loss.backward()
+    assert disk.stats.bytes_written == (8 * 32 + 32 + 32 + 8 * 32 + 8 * 16) * 4
+    assert disk.stats.files_written == 5
+    plain(x).pow(2).sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+    for a, b in zip(model.buffers(), plain.buffers(), strict=True):
+        assert torch.equal(a, b)

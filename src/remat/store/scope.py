@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -112,18 +113,39 @@ def _is_tier(obj: object) -> bool:
 
 
 class Scope:
-    """An active ``remat.offload`` block: its store and the smallest tensor it moves."""
+    """An active ``remat.offload`` block: its store, the smallest tensor it moves, and the
+    storages of the buffers of every module called in it (see :meth:`outlives`)."""
 
-    __slots__ = ("min_bytes", "store")
+    __slots__ = ("buffers", "min_bytes", "store")
 
     def __init__(self, store: Store, min_bytes: int) -> None:
         self.store = store
         self.min_bytes = min_bytes
+        # storage key -> the storage, weakly: buffers of modules called in the block
+        self.buffers: dict[int, weakref.ref[torch.UntypedStorage]] = {}
 
     def wants(self, t: torch.Tensor) -> bool:
-        if outlives_the_step(t):
+        if self.outlives(t):
             return False  # model state and inputs live on anyway: moving them frees nothing
         return self.store.takes(t) and t.numel() * t.element_size() >= self.min_bytes
+
+    def outlives(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` outlives the step: see :func:`outlives_the_step`, or it is a buffer
+        of a module called in the block (BatchNorm saves its running statistics), or a view
+        of one."""
+        if outlives_the_step(t):
+            return True
+        if t.grad_fn is not None and t._base is None:
+            return False
+        storage = t.untyped_storage()
+        held = self.buffers.get(storage._cdata)
+        return held is not None and held() is storage
+
+    def note_buffers(self, module: torch.nn.Module) -> None:
+        for buffer in module._buffers.values():
+            if buffer is not None and buffer.layout is torch.strided and not buffer.is_meta:
+                storage = buffer.untyped_storage()
+                self.buffers[storage._cdata] = weakref.ref(storage)
 
 
 def outlives_the_step(t: torch.Tensor) -> bool:
@@ -135,6 +157,13 @@ def outlives_the_step(t: torch.Tensor) -> bool:
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
+def _note_buffers(module: torch.nn.Module, args: Any) -> None:
+    """Global forward pre-hook while a block runs: the module's buffers outlive the step."""
+    scope = _state.state.offload
+    if isinstance(scope, Scope):
+        scope.note_buffers(module)
+
+
 def offload(
     tier: TierName | Tier = "host", *, min_bytes: int = 1024, prefetch: int | None = None
 ) -> contextlib.AbstractContextManager[None]:
@@ -143,8 +172,10 @@ def offload(
     Every tensor autograd saves inside the block, of at least ``min_bytes``, goes to the tier
     (``"host"``: pinned host memory, for accelerator tensors; ``"disk"``: files in a private
     directory, for any tensor) and is brought back in backward, ``prefetch`` tensors ahead.
-    Parameters and leaves that require grad are left alone (they stay alive anyway); so are
-    CPU tensors under the host tier, which are in host memory already. Inside checkpointed
+    What outlives the step is left alone, since moving it frees nothing: parameters, leaves
+    that require grad, the buffers of the modules called in the block, and views of any of
+    these (``nn.Linear`` saves ``weight.t()``); so are CPU tensors under the host tier, which
+    are in host memory already. Inside checkpointed
     regions the region decides (a region engine saves only its inputs; a graph engine
     offloads here what its policy keeps). The block's writes are flushed when it exits, so a
     full disk raises there, before backward.
@@ -177,6 +208,8 @@ def _offload_block(tier: TierName | Tier, min_bytes: int, prefetch: int | None) 
     scope = Scope(store, min_bytes)
     previous = _state.state.offload
     _state.state.offload = scope
+    # Every module called in the block, on this thread, tells the scope its buffers.
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(_note_buffers)
     try:
         with torch.autograd.graph.saved_tensors_hooks(_packer(scope), _unpack):
             yield
@@ -184,6 +217,7 @@ def _offload_block(tier: TierName | Tier, min_bytes: int, prefetch: int | None) 
         drain(store)
         raise
     finally:
+        hook.remove()
         _state.state.offload = previous
     store.flush()
 
@@ -218,6 +252,8 @@ def _why_not(scope: Scope, t: torch.Tensor) -> str:
         if t._base is not None:
             return "a view of a leaf that requires grad (a parameter, an input), alive anyway"
         return "a leaf that requires grad, alive anyway"
+    if scope.outlives(t):
+        return "a module's buffer (or a view of one), alive anyway"
     return f"smaller than min_bytes={scope.min_bytes}"
 
 
