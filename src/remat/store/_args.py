@@ -17,6 +17,24 @@ from ..errors import RematError
 __all__: list[str] = []
 
 
+TIER_METHODS = ("put", "prefetch", "get", "drop", "flush")
+
+
+def is_tier(obj: object) -> bool:
+    """Whether *obj* has the methods the store calls on a tier (``_tier.Tier``)."""
+    return all(callable(getattr(obj, m, None)) for m in TIER_METHODS)
+
+
+def check_tier(owner: str, name: str, value: Any, example: str) -> None:
+    if not is_tier(value):
+        missing = [m for m in TIER_METHODS if not callable(getattr(value, m, None))]
+        raise RematError(
+            f"remat: {owner} expected {name} to be a tier (HostTier, DiskTier or an object with "
+            f"{'/'.join(TIER_METHODS)}), found {type(value).__name__} {value!r}, which lacks "
+            f"{', '.join(missing)}. Pass e.g. {example}."
+        )
+
+
 def check_int(owner: str, name: str, value: Any, minimum: int, example: str) -> int:
     """``value`` if it is an ``int`` (not a ``bool``) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import RematError
-from ._args import check_int
+from ._args import check_int, check_tier
 from ._tier import Ticket, Tier
 
 __all__: list[str] = []
@@ -107,6 +107,7 @@ class Store:
     """
 
     def __init__(self, tier: Tier, *, prefetch: int = 2) -> None:
+        check_tier("Store", "tier", tier, "Store(remat.store.HostTier())")
         check_int("Store", "prefetch", prefetch, 0, "Store(tier, prefetch=2)")
         self.tier = tier
         self.prefetch = prefetch

@@ -19,7 +19,7 @@ import torch
 
 from .. import _state
 from ..errors import RematError, did_you_mean
-from ._args import check_int
+from ._args import check_int, is_tier
 from ._store import Saved, Store
 from ._tier import Tier
 
@@ -88,7 +88,7 @@ def tiers(
         loss.backward()
     """
     for name, tier in (("host", host), ("disk", disk)):
-        if tier is not None and not _is_tier(tier):
+        if tier is not None and not is_tier(tier):
             raise RematError(
                 f"remat: remat.store.tiers expected {name}= to be a tier (HostTier, DiskTier "
                 f"or an object with put/prefetch/get/drop/flush/close), found "
@@ -106,10 +106,6 @@ def _using(host: Tier | None, disk: Tier | None) -> Iterator[None]:
         yield
     finally:
         _chosen.tiers = previous
-
-
-def _is_tier(obj: object) -> bool:
-    return all(callable(getattr(obj, m, None)) for m in ("put", "prefetch", "get", "drop", "flush"))
 
 
 class Scope:
@@ -191,7 +187,7 @@ def offload(
         check_int("remat.offload", "prefetch", prefetch, 0, "remat.offload(prefetch=2)")
     if isinstance(tier, str):
         _check_name(tier)  # the object is the one the name stands for when the block starts
-    elif not _is_tier(tier):
+    elif not is_tier(tier):
         raise RematError(
             f"remat: remat.offload expected tier to be 'host', 'disk' or a tier object (with "
             f"put/prefetch/get/drop/flush/close), found {type(tier).__name__} {tier!r}. Pass "
