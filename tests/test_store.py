@@ -482,16 +482,30 @@ def test_loads_follow_stores_on_the_lane() -> None:
     ("call", "message"),
     [
         (lambda: remat.offload("hots"), r"unknown tier 'hots'.*did you mean 'host'"),
-        (lambda: remat.offload("host", min_bytes=-1), r"min_bytes must be an int >= 0"),
-        (lambda: remat.offload("host", prefetch=-2), r"prefetch must be an int >= 0"),
-        (lambda: remat.offload(object()), r"tier must be 'host', 'disk' or a tier object"),  # type: ignore[arg-type]
-        (lambda: remat.store.tiers(host=3), r"host= must be a tier"),  # type: ignore[arg-type]
-        (lambda: remat.policies.offload_everything("ssd"), r"tier must be 'host' or 'disk'"),
+        (lambda: remat.offload("host", min_bytes=-1), r"expected min_bytes to be an int >= 0"),
+        (lambda: remat.offload("host", min_bytes=1.5), r"min_bytes .* found 1\.5\. Pass e\.g\."),
+        (lambda: remat.offload("host", prefetch=-2), r"expected prefetch to be an int >= 0"),
+        (lambda: remat.offload("host", prefetch=True), r"prefetch .* found True"),
+        (lambda: remat.offload(object()), r"expected tier to be 'host', 'disk' or a tier object"),  # type: ignore[arg-type]
+        (lambda: remat.store.tiers(host=3), r"expected host= to be a tier .* found int 3"),  # type: ignore[arg-type]
+        (lambda: HostTier(max_in_flight=0), r"HostTier expected max_in_flight to be an int >= 1"),
+        (lambda: HostTier(max_in_flight=True), r"max_in_flight .* found True"),
+        (lambda: HostTier(include_cpu=1), r"HostTier expected include_cpu to be True or False"),  # type: ignore[arg-type]
+        (lambda: HostTier(max_cached_bytes=-1), r"HostTier expected max_cached_bytes to be an"),
+        (lambda: Store(Recording(), prefetch=-1), r"expected prefetch to be an int >= 0"),  # type: ignore[arg-type]
+        (lambda: Store("disk"), r"Store expected tier to be a tier .* lacks put, prefetch"),  # type: ignore[arg-type]
     ],
 )
-def test_bad_input(call: Callable[[], Any], message: str) -> None:
-    with pytest.raises(remat.RematError, match=message), call():
-        pass
+def test_bad_input_raises_when_given(call: Callable[[], Any], message: str) -> None:
+    # Raised by the call itself, not when a block is entered or the value first used.
+    with pytest.raises(remat.RematError, match=f"^remat: .*{message}") as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+def test_an_offload_policy_refuses_an_unknown_tier() -> None:
+    with pytest.raises(remat.RematError, match=r"tier must be 'host' or 'disk'"):
+        remat.policies.offload_everything("ssd")
 
 
 def test_host_tier_refuses_cpu_tensors_unless_asked() -> None:
@@ -522,11 +536,6 @@ def test_an_offload_decision_on_a_data_dependent_op_is_honoured(host: HostTier) 
     )
     assert torch.equal(expected[0], actual[0])
     assert host.stats.copies_out - before >= 1
-
-
-def test_store_rejects_a_bad_prefetch() -> None:
-    with pytest.raises(remat.RematError, match=r"prefetch must be an int >= 0"):
-        Store(Recording(), prefetch=-1)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -673,3 +682,105 @@ def test_combinators_carry_offload_decisions() -> None:
     assert both(ctx, aten_sin) is D.PREFER_RECOMPUTE
     keep_all = remat.policies.save_if_any(remat.policies.save_everything, offload_mm)
     assert keep_all(ctx, aten_mm) is D.PREFER_SAVE  # kept beats offloaded
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk, then a retry
+# ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """Collection off: what is freed here is freed by reference counting, as in a user's loop
+    where a cycle may wait for the collector for a long time."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _failing_step(model: nn.Module, x: torch.Tensor, seen: list[Any]) -> torch.Tensor:
+    with remat.offload("disk", min_bytes=0):
+        h = model[0](x).tanh()
+        seen.append(weakref.ref(h))  # an activation the tier stores
+        return model[2](h).sigmoid().pow(2).sum()
+
+
+def test_a_failed_step_leaves_no_file_and_the_next_step_succeeds(
+    disk: remat.store.DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from remat.store import _files
+
+    model, x = _mlp()
+    plain = copy.deepcopy(model)
+    write_all = _files.write_all
+    fail = threading.Event()
+
+    def full_once(fd: int, view: Any) -> None:
+        if fail.is_set():  # the second file of the step: the first one is written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fail.set()
+        write_all(fd, view)
+
+    monkeypatch.setattr(_files, "write_all", full_once)
+    seen: list[Any] = []
+    with _no_gc():
+        with pytest.raises(remat.RematError, match="ENOSPC"):
+            _failing_step(model, x, seen)
+        assert seen[0]() is None  # nothing holds the failed step's tensors
+        assert _files_in(disk) == []  # the file written before the failure is gone too
+        monkeypatch.setattr(_files, "write_all", write_all)
+        loss = _failing_step(model, x, seen)
+        loss.backward()
+    plain[2](plain[0](x).tanh()).sigmoid().pow(2).sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+    assert _files_in(disk) == []
+    assert disk.stats.failed_writes == 1
+
+
+def test_views_of_parameters_stay_in_place_and_only_activations_are_written(
+    disk: remat.store.DiskTier,
+) -> None:
+    # nn.Linear saves its input and weight.t(); the view of the weight lives as long as the
+    # weight does, so writing it out frees nothing. What goes to disk is the two activations
+    # the step makes: tanh's output (8 x 32 floats, also linear 2's input) and sigmoid's
+    # output (8 x 16 floats, also pow's input).
+    model, x = _mlp()
+    plain = copy.deepcopy(model)
+    with remat.offload("disk", min_bytes=0):
+        loss = model(x).pow(2).sum()
+    loss.backward()
+    assert disk.stats.bytes_written == (8 * 32 + 8 * 16) * 4
+    assert disk.stats.files_written == 2
+    plain(x).pow(2).sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+
+
+def test_buffers_stay_in_place_and_only_activations_are_written(
+    disk: remat.store.DiskTier,
+) -> None:
+    # BatchNorm saves its running statistics, buffers that outlive the step; what goes to disk
+    # is the linear output (8 x 32 floats), the batch's mean and inverse std (32 floats each),
+    # tanh's output (8 x 32 floats) and the last linear's output, which pow saves (8 x 16).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 16))
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 16, requires_grad=True)
+    with remat.offload("disk", min_bytes=0):
+        loss = model(x).pow(2).sum()
+    loss.backward()
+    assert disk.stats.bytes_written == (8 * 32 + 32 + 32 + 8 * 32 + 8 * 16) * 4
+    assert disk.stats.files_written == 5
+    plain(x).pow(2).sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+    for a, b in zip(model.buffers(), plain.buffers(), strict=True):
+        assert torch.equal(a, b)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import pathlib
 import signal
@@ -176,29 +177,127 @@ def test_directory_layout(tier: DiskTier, tmp_path: pathlib.Path) -> None:
     assert tier.directory.name.startswith(f"{os.getpid()}-")
 
 
-@pytest.mark.skipif(os.name != "posix", reason="liveness by os.kill(pid, 0)")
-def test_sweep_removes_dead_processes_directories_only(tmp_path: pathlib.Path) -> None:
+def _held(path: pathlib.Path) -> int:
+    """A descriptor holding the exclusive flock of the directory *path*, as an owner does."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+@pytest.mark.skipif(os.name != "posix", reason="liveness by flock")
+def test_sweep_removes_the_directories_whose_lock_it_takes_only(tmp_path: pathlib.Path) -> None:
     parent = _files.parent_directory(tmp_path)
     parent.mkdir(mode=0o700)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    stale = parent / f"{os.getpid()}-00aa"  # our own pid: the lock decides, not the pid
+    live = parent / "999999999-00bb"  # a pid no process has: the lock decides
+    staging = parent / ".999999999-00cc.new"  # an owner killed while creating it
+    foreign = parent / "not-ours"
+    for path in (stale, live, staging, foreign):
+        path.mkdir()
+        (path / "00000000.bin").write_bytes(b"x")
+    held = _held(live)
     try:
-        stale = parent / f"{dead.pid}-00ff"
-        kept = parent / f"{live.pid}-00ff"
-        foreign = parent / "not-ours"
-        for path in (stale, kept, foreign):
-            path.mkdir()
-            (path / "00000000.bin").write_bytes(b"x")
         mine = _files.private_directory(tmp_path)
-        assert not stale.exists()
-        assert kept.exists() and foreign.exists() and mine.exists()
+        assert not stale.exists() and not staging.exists()
+        assert live.exists() and foreign.exists() and mine.exists()
         assert _files.sweep_stale(parent) == []  # a second sweep finds nothing
     finally:
-        live.kill()
-        live.wait()
+        os.close(held)  # the owner of `live` dies
         _files.remove_private_directory(mine)
     assert not mine.exists()
+    assert _files.sweep_stale(parent) == [live]
+    assert os.listdir(parent) == [foreign.name]
+
+
+def _dead_pid() -> int:
+    """The smallest pid above 2 that no process of this PID namespace has."""
+    for pid in range(3, 1 << 22):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except PermissionError:
+            continue
+    raise AssertionError("no free pid")  # pragma: no cover
+
+
+_OWNER = (
+    "import os, sys, time\n"
+    "pid = int(sys.argv[2])\n"
+    "{become}"
+    "import torch\n"
+    "from remat.store.disk import DiskTier\n"
+    "tier = DiskTier(sys.argv[1])\n"
+    "tier.put(torch.ones(4096, dtype=torch.uint8))\n"
+    "tier.flush()\n"
+    "print(tier.directory, flush=True)\n"
+    "time.sleep(60)\n"
+)
+# Claims a pid it does not have: the sweep must not go by what the name records.
+_CLAIM = "os.getpid = lambda: pid\n"
+# Forks inside a fresh PID namespace until a child has the wanted pid there.
+_FORK = (
+    "while os.getpid() != pid:\n"
+    "    child = os.fork()\n"
+    "    if child == 0:\n"
+    "        if os.getpid() != pid: os._exit(0)\n"
+    "    else:\n"
+    "        os.waitpid(child, 0)\n"
+    "        if child >= pid: sys.exit(f'pid {child} passed {pid}')\n"
+)
+
+
+def _start_owner(prefix: list[str], become: str, root: pathlib.Path) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(remat.__file__).parents[1]))
+    script = _OWNER.format(become=become)
+    command = [*prefix, sys.executable, "-c", script, str(root), str(_dead_pid())]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True)
+
+
+def _live_owner_is_kept_and_swept_once_killed(
+    owner: subprocess.Popen[str], root: pathlib.Path
+) -> None:
+    try:
+        assert owner.stdout is not None
+        line = owner.stdout.readline().strip()
+        assert line, "the owner process failed"
+        left = pathlib.Path(line)
+        pid = int(left.name.split("-")[0])
+        with pytest.raises(ProcessLookupError):  # what its name records looks dead here
+            os.kill(pid, 0)
+        with DiskTier(root):
+            assert left.is_dir() and os.listdir(left) == ["00000000.bin"]
+    finally:
+        owner.kill()
+        owner.communicate()
+    with DiskTier(root) as tier:
+        assert not left.exists()
+        assert os.listdir(tier.directory.parent) == [tier.directory.name]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="liveness by flock")
+def test_a_live_owner_whose_pid_looks_dead_is_not_swept(tmp_path: pathlib.Path) -> None:
+    owner = _start_owner([], _CLAIM, tmp_path)
+    _live_owner_is_kept_and_swept_once_killed(owner, tmp_path)
+
+
+def _unshare_pid() -> list[str]:
+    command = ["unshare", "--pid", "--fork", "--kill-child"]
+    try:
+        done = subprocess.run([*command, "true"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot run unshare to make a PID namespace: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"unshare --pid is not permitted here: {done.stderr.strip()}")
+    return command
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PID namespaces are Linux's")
+def test_an_owner_in_another_pid_namespace_is_not_swept(tmp_path: pathlib.Path) -> None:
+    owner = _start_owner(_unshare_pid(), _FORK, tmp_path)
+    _live_owner_is_kept_and_swept_once_killed(owner, tmp_path)
 
 
 _CHILD = (
@@ -481,6 +580,53 @@ def test_real_full_disk_on_a_tiny_tmpfs(tmp_path: pathlib.Path) -> None:
         subprocess.run(["umount", str(mount)], check=True, timeout=10)
 
 
+def _deep_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(12):
+        layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def _offloaded_step(model: torch.nn.Module, x: torch.Tensor) -> None:
+    with remat.offload("disk", min_bytes=0):
+        loss = model(x).square().sum()
+    loss.backward()
+
+
+def test_a_step_too_large_for_the_disk_fails_and_a_smaller_one_then_fits(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A 1 MiB disk: a step that saves 13 activations of 128 KiB (the input and 12 tanh
+    # outputs) fails; its files must be gone once the error is raised (by reference counting
+    # alone), so that a step with half the batch (13 x 64 KiB) finds the room it needs.
+    mount = tmp_path / "tiny"
+    if not _mount_tiny_tmpfs(mount):
+        pytest.skip("cannot mount a tmpfs here (needs root on Linux)")
+    model = _deep_mlp()
+    plain = _deep_mlp()
+    x, small = torch.randn(128, 256), torch.randn(64, 256)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with DiskTier(mount) as tier, remat.store.tiers(disk=tier):
+            with pytest.raises(RematError, match="ENOSPC"):
+                _offloaded_step(model, x)
+            assert _files_in(tier) == []
+            model.zero_grad(set_to_none=True)
+            before = tier.stats.bytes_written
+            _offloaded_step(model, small)
+            assert tier.stats.bytes_written - before == 13 * 64 * 256 * 4
+            assert _files_in(tier) == []
+    finally:
+        if enabled:
+            gc.enable()
+        subprocess.run(["umount", str(mount)], check=True, timeout=10)
+    plain(small).square().sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+
+
 def test_bad_arguments_are_clear_errors(tier: DiskTier, tmp_path: pathlib.Path) -> None:
     for bad in (
         torch.zeros(4, dtype=torch.float32),
@@ -492,6 +638,8 @@ def test_bad_arguments_are_clear_errors(tier: DiskTier, tmp_path: pathlib.Path) 
             tier.put(bad)  # type: ignore[arg-type]
     with pytest.raises(RematError, match="threads to be an int >= 1"):
         DiskTier(tmp_path, threads=0)
+    with pytest.raises(RematError, match=r"threads to be an int >= 1, found True"):
+        DiskTier(tmp_path, threads=True)
     with pytest.raises(RematError, match="max_pending_bytes"):
         DiskTier(tmp_path, max_pending_bytes=0)
     with DiskTier(tmp_path) as other:
@@ -502,6 +650,53 @@ def test_bad_arguments_are_clear_errors(tier: DiskTier, tmp_path: pathlib.Path) 
             tier.prefetch(foreign, CPU)
         tier.drop(foreign)  # not ours: ignored
         assert torch.equal(other.get(foreign, CPU), _bytes(1))
+
+
+@pytest.mark.parametrize(
+    ("directory", "message"),
+    [
+        (123, r"expected directory to be a path \(str or os.PathLike\) or None, found int 123"),
+        (b"/tmp", r"expected directory to be a path .* found bytes b'/tmp'"),
+        ("", r"expected directory to be a non-empty path .* found ''"),
+        (
+            "/tmp/\0x",
+            r"expected directory to be a non-empty path without NUL bytes, found '/tmp/\\x00x'",
+        ),
+    ],
+)
+def test_a_directory_that_is_no_path_is_a_clear_error(directory: object, message: str) -> None:
+    with pytest.raises(RematError, match=f"^remat: DiskTier {message}.*DiskTier\\(directory="):
+        DiskTier(directory)  # type: ignore[arg-type]
+
+
+def test_a_directory_that_is_a_file_is_a_clear_error(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(RematError, match=r"^remat: DiskTier expected directory=.*file' to be a "):
+        DiskTier(tmp_path / "file")
+    (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(RematError, match=r"found a broken symbolic link"):
+        DiskTier(tmp_path / "broken")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symbolic links")
+def test_a_symlinked_tier_directory_is_refused_with_its_target(tmp_path: pathlib.Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    _files.parent_directory(root).symlink_to(elsewhere)
+    with pytest.raises(
+        RematError,
+        match=rf"^remat: expected .*remat-offload-\d+ to be a real directory, found a symbolic "
+        rf"link to '{elsewhere}'.*Remove the link.*DiskTier\(directory=",
+    ):
+        DiskTier(root)
+    assert os.listdir(elsewhere) == []
+    # A symbolic link the user passes as the directory itself is the user's choice: followed.
+    (tmp_path / "link").symlink_to(root / "real", target_is_directory=True)
+    (root / "real").mkdir()
+    with DiskTier(tmp_path / "link") as tier:
+        assert tier.directory.resolve().parent.parent == root / "real"
 
 
 def test_concurrent_callers(tier: DiskTier) -> None:

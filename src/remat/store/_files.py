@@ -16,9 +16,30 @@ user's sweep never meets another user's files and a shared ``/tmp`` cannot be us
 directory where ours goes; both levels are mode ``0o700``, checked after creation because a
 umask can only take bits away and a restrictive one would leave us unable to read back.
 
-The liveness test is ``os.kill(pid, 0)``. It is conservative: a directory whose pid was taken
-by another live process is kept until that process ends, never removed early. Sweeping runs on
-POSIX only (on Windows ``os.kill`` terminates the process).
+NOTE [ Who is alive: a lock, not a pid ]
+
+A directory is live while its owner holds an exclusive ``flock`` on it (on the directory
+itself, so that the tier's files are all there is); the kernel releases the lock when the
+owner dies, however it dies. The pid in the name is for people reading a listing, never for
+deciding: a process in another PID namespace (a container that shares the scratch directory)
+has a pid that means nothing here, or means another process.
+
+1. **create**: the directory is made under a staging name (``.<pid>-<token>.new``), opened
+   and locked, then renamed to its name; the lock, held on the directory's inode, moves with
+   it. So whenever a directory has its name, its owner holds the lock. A sweep that took the
+   lock of a staging directory in the instant before its owner did removes it; the owner's
+   lock or rename then fails, and it starts again with a new name.
+2. **hold**: the locked descriptor stays open for the directory's life (``O_CLOEXEC``: a
+   program the owner executes does not inherit it; a forked child does, and keeps the
+   directory live while it runs).
+3. **sweep**: for each ``<pid>-<token>`` (or staging) directory, try a non-blocking exclusive
+   lock. Obtained: the owner is gone; remove the directory, then let go. Refused: the owner
+   lives; keep it.
+4. **remove**: ``close()``, the finalizer or ``atexit`` remove the directory, then close the
+   descriptor.
+
+The lock needs a filesystem where ``flock`` works between every process that shares it (local
+disks, tmpfs; on NFS only where the client maps it to NFS locks). Sweeping runs on POSIX only.
 """
 
 from __future__ import annotations
@@ -47,10 +68,11 @@ __all__: list[str] = []
 # Bytes per os.write/readinto call: few enough calls to cost nothing, below Linux's ~2 GiB cap.
 CHUNK_BYTES = 1 << 30
 _PRIVATE_MODE = 0o700
-_NAME = re.compile(r"^(\d+)-[0-9a-f]+$")
+_NAME = re.compile(r"^\.?\d+-[0-9a-f]+(\.new)?$")  # named, or staging ([1. create])
 
 _lock = threading.Lock()
-_live: dict[pathlib.Path, int] = {}  # directory -> pid of the process that owns it
+# directory -> (pid of the process that owns it, its locked descriptor or -1)
+_live: dict[pathlib.Path, tuple[int, int]] = {}
 _atexit_registered = False
 
 
@@ -78,62 +100,90 @@ def private_directory(root: str | os.PathLike[str] | None) -> pathlib.Path:
             f"DiskTier(directory=...)."
         ) from exc
     sweep_stale(parent)
-    while True:
-        path = parent / f"{os.getpid()}-{secrets.token_hex(8)}"
+    while True:  # [1. create]
+        name = f"{os.getpid()}-{secrets.token_hex(8)}"
+        staging, path = parent / f".{name}.new", parent / name
         try:
-            _make_private(path, exist_ok=False)
+            _make_private(staging, exist_ok=False)
         except FileExistsError:  # pragma: no cover - 64 random bits collided
             continue
+        fd = _try_lock(staging)
+        if fd is None:  # pragma: no cover - a sweep took it first, and removes it
+            continue
+        try:
+            os.rename(staging, path)
+        except FileNotFoundError:  # pragma: no cover - a sweep removed it before our lock
+            os.close(fd)
+            continue
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.close(fd)
+            raise
         break
-    _register(path)
+    _register(path, fd)
     return path
 
 
 def sweep_stale(parent: pathlib.Path) -> list[pathlib.Path]:
-    """Remove the directories under *parent* whose process is gone; return those removed.
+    """Remove the directories under *parent* whose owner is gone; return those removed.
 
-    Entries that do not look like ours (``<pid>-<hex>``) are left alone, as are directories of
-    live processes. Other processes may sweep the same parent at the same time: whatever they
-    removed first is skipped.
+    An owner is gone when the lock on its directory can be taken (NOTE [ Who is alive ]
+    [3. sweep]). Entries that do not look like ours (``<pid>-<hex>``) are left alone. Other
+    processes may sweep the same parent at the same time: whatever they removed first, or hold
+    the lock of, is skipped.
     """
-    if os.name != "posix":  # pragma: no cover - os.kill(pid, 0) would terminate on Windows
+    if os.name != "posix":  # pragma: no cover - no flock
         return []
     try:
         names = os.listdir(parent)
     except FileNotFoundError:
         return []
     removed = []
-    for name in names:
-        match = _NAME.match(name)
-        if match is None or _alive(int(match.group(1))):
+    for name in sorted(names):
+        if _NAME.match(name) is None:
             continue
         path = parent / name
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.lexists(path):
-            removed.append(path)
+        fd = _try_lock(path)
+        if fd is None:
+            continue  # the owner lives, or another sweep is removing it
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                removed.append(path)
+        finally:
+            os.close(fd)
     return removed
 
 
 def remove_private_directory(path: pathlib.Path) -> None:
     """Remove *path* and everything in it, if this process created it; never raises."""
     with _lock:
-        owner = _live.pop(path, None)
+        owner, fd = _live.pop(path, (-1, -1))
     if owner == os.getpid():  # a forked child must not remove its parent's files
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)  # [4. remove]: still locked meanwhile
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+def _try_lock(path: pathlib.Path) -> int | None:
+    """A descriptor of the directory *path* holding its exclusive lock; ``None`` if another
+    holds it (its owner lives), or it is gone or not a directory. ``-1`` without ``flock``."""
+    if os.name != "posix":  # pragma: no cover - no flock: nothing is swept either
+        return -1
+    import fcntl
+
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    except OSError:  # pragma: no cover - unsure, so keep the directory
-        return True
-    return True
+        fd = os.open(path, flags)
+    except OSError:  # removed meanwhile, a symlink, not a directory, not ours to open
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _make_private(path: pathlib.Path, *, exist_ok: bool) -> None:
@@ -143,6 +193,14 @@ def _make_private(path: pathlib.Path, *, exist_ok: bool) -> None:
         if not exist_ok:
             raise
     info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise RematError(
+            f"remat: expected {path} to be a real directory, found a symbolic link to "
+            f"{os.readlink(path)!r}: the disk tier does not follow links inside its directory, "
+            f"since whoever made the link chooses where the offloaded tensors go. Remove the "
+            f"link (remat makes the directory itself), or pass another place with "
+            f"DiskTier(directory=...)."
+        )
     if not stat.S_ISDIR(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
         raise RematError(
             f"remat: expected {path} to be a directory owned by this user, found "
@@ -153,10 +211,10 @@ def _make_private(path: pathlib.Path, *, exist_ok: bool) -> None:
         os.chmod(path, _PRIVATE_MODE)
 
 
-def _register(path: pathlib.Path) -> None:
+def _register(path: pathlib.Path, fd: int) -> None:
     global _atexit_registered
     with _lock:
-        _live[path] = os.getpid()
+        _live[path] = (os.getpid(), fd)
         if not _atexit_registered:
             atexit.register(_remove_all)
             _atexit_registered = True

@@ -36,6 +36,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import RematError
+from ._args import check_int, check_tier
 from ._tier import Ticket, Tier
 
 __all__: list[str] = []
@@ -106,8 +107,8 @@ class Store:
     """
 
     def __init__(self, tier: Tier, *, prefetch: int = 2) -> None:
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise RematError(f"remat: prefetch must be an int >= 0, got {prefetch!r}.")
+        check_tier("Store", "tier", tier, "Store(remat.store.HostTier())")
+        check_int("Store", "prefetch", prefetch, 0, "Store(tier, prefetch=2)")
         self.tier = tier
         self.prefetch = prefetch
         self.stored_bytes = 0  # bytes in the tier now

@@ -43,15 +43,21 @@ state (``_Shared``), never the tier itself, so a forgotten tier is collected at 
    raising, it waits for the writes still running, so that one report covers every failure so
    far (several are reported together) and none surfaces later in an unrelated call, such as
    the retry of the step that failed; a ``get`` of the failed ticket itself always raises.
+   What is raised is a fresh copy of the recorded error, whose cause (the ``OSError``) keeps
+   no traceback: the ticket records the error, and a raised error's traceback holds the frames
+   of the failed step, whose tensors hold the ticket. Either link would close a cycle that
+   keeps the step's files on disk (and the retry failing for want of space) until the garbage
+   collector happens to run; without them, the files go when the step's tensors do.
 7. **close**: waits for running I/O, cancels queued I/O, removes every file and the directory.
    ``with DiskTier() as tier:`` closes on an exception too; a tier that is never closed is
    closed by its finalizer when it is collected, or at interpreter exit.
 8. **exit**: the worker threads are not daemons: ``concurrent.futures`` finishes their queued
    work at interpreter shutdown, then the finalizers and the ``atexit`` hook of ``_files.py``
    remove what is left.
-9. **killed**: SIGKILL runs nothing. The directory name carries the pid, and the next process
-   creating a directory under the same parent removes those of dead processes
-   (``_files.sweep_stale``).
+9. **killed**: SIGKILL runs nothing. The kernel releases the lock the tier held on its
+   directory, and the next process creating a directory under the same parent removes every
+   directory whose lock it can take (``_files.sweep_stale``; NOTE [ Who is alive: a lock, not
+   a pid ] in ``_files.py``), whatever PID namespace either process runs in.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ from types import TracebackType
 import torch
 
 from ..errors import RematError
-from . import _files
+from . import _args, _files
 from ._files import sequential_bandwidth as sequential_bandwidth
 from ._tier import Ticket
 
@@ -177,10 +183,10 @@ class _Shared:
         (first, _), rest = self.errors[0], self.errors[1:]
         self.errors.clear()
         if not rest:
-            raise first
+            raise _raisable(first)
         more = sum(nbytes for _, nbytes in rest)
         also = f"{len(rest)} more write(s), {more} bytes in all, failed too. {_FIX}"
-        raise RematError(str(first).replace(_FIX, also)) from first.__cause__
+        raise _raisable(first, str(first).replace(_FIX, also))
 
     def begin_locked(self, kind: str) -> float:
         now = time.perf_counter()
@@ -254,21 +260,16 @@ class DiskTier:
         threads: int = 2,
         max_pending_bytes: int = 64 * 2**20,
     ) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise RematError(
-                f"remat: expected threads to be an int >= 1, found {threads!r}. Pass e.g. "
-                f"DiskTier(threads=2)."
-            )
-        if (
-            isinstance(max_pending_bytes, bool)
-            or not isinstance(max_pending_bytes, int)
-            or max_pending_bytes < 1
-        ):
-            raise RematError(
-                f"remat: expected max_pending_bytes to be an int >= 1, found "
-                f"{max_pending_bytes!r}. Pass e.g. DiskTier(max_pending_bytes=64 * 2**20)."
-            )
-        path = _files.private_directory(directory)
+        root = _args.check_directory("DiskTier", directory)
+        _args.check_int("DiskTier", "threads", threads, 1, "DiskTier(threads=2)")
+        _args.check_int(
+            "DiskTier",
+            "max_pending_bytes",
+            max_pending_bytes,
+            1,
+            "DiskTier(max_pending_bytes=64 * 2**20)",
+        )
+        path = _files.private_directory(root)
         self._shared = _Shared(path, threads, max_pending_bytes)
         self._finalizer = weakref.finalize(self, self._shared.close)
 
@@ -433,7 +434,7 @@ class DiskTier:
         assert ticket.error is not None
         if any(error is ticket.error for error, _ in shared.errors):
             shared.errors[:] = [(e, n) for e, n in shared.errors if e is not ticket.error]
-            return ticket.error
+            return _raisable(ticket.error)
         return RematError(
             f"remat: expected the bytes of {ticket!r} on disk, found none: its write failed "
             f"earlier, as reported then ({ticket.error}). Backward cannot proceed; run the "
@@ -573,8 +574,25 @@ def _write_error(directory: pathlib.Path, nbytes: int, exc: Exception) -> RematE
         f"remat: the disk tier expected to write {nbytes} bytes ({nbytes / 2**20:.1f} MiB) to "
         f"{directory}, but the write failed ({reason}); {free}. {_FIX}"
     )
+    # See [6. error]: the cause keeps no frame, so it holds neither the bytes nor the ticket.
+    cause: BaseException | None = exc
+    while cause is not None:
+        cause.__traceback__ = None
+        cause = cause.__cause__ or cause.__context__
     error.__cause__ = exc
     return error
+
+
+def _raisable(error: RematError, message: str | None = None) -> RematError:
+    """A fresh copy of a recorded write failure, to raise; see [6. error].
+
+    The recorded error is never raised itself: raising gives it a traceback through the
+    frames of the failed step, whose tensors hold the tickets that record it, a reference
+    cycle that would keep the step's files on disk until the garbage collector runs.
+    """
+    fresh = RematError(str(error) if message is None else message)
+    fresh.__cause__ = error.__cause__
+    return fresh
 
 
 def _read_error(ticket: _DiskTicket, exc: OSError) -> RematError:

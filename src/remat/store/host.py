@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import RematError
+from ._args import check_bool, check_int
 from ._lanes import Done, Lane, lane_for
 from ._pool import HostPool
 from ._tier import Ticket
@@ -94,10 +95,15 @@ class HostTier:
         include_cpu: bool = False,
         max_cached_bytes: int = 4 * 2**30,
     ) -> None:
-        if not isinstance(max_in_flight, int) or max_in_flight < 1:
-            raise RematError(
-                f"remat: HostTier(max_in_flight=...) must be an int >= 1, got {max_in_flight!r}."
-            )
+        check_int("HostTier", "max_in_flight", max_in_flight, 1, "HostTier(max_in_flight=4)")
+        check_bool("HostTier", "include_cpu", include_cpu)
+        check_int(
+            "HostTier",
+            "max_cached_bytes",
+            max_cached_bytes,
+            0,
+            "HostTier(max_cached_bytes=4 * 2**30)",
+        )
         self.max_in_flight = max_in_flight
         self.include_cpu = include_cpu
         self.pool = HostPool(pin=torch.cuda.is_available(), max_cached_bytes=max_cached_bytes)

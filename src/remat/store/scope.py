@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ import torch
 
 from .. import _state
 from ..errors import RematError, did_you_mean
+from ._args import check_int, is_tier
 from ._store import Saved, Store
 from ._tier import Tier
 
@@ -51,12 +53,16 @@ def _default(name: str) -> Tier:
 
 def tier_named(name: str) -> Tier:
     """The tier object ``name`` stands for on this thread now."""
+    _check_name(name)
+    return _chosen.tiers.get(name) or _default(name)
+
+
+def _check_name(name: str) -> None:
     if name not in _NAMES:
         raise RematError(
-            f"remat: unknown tier {name!r}; expected one of {', '.join(_NAMES)}"
-            f"{did_you_mean(name, _NAMES)}."
+            f"remat: unknown tier {name!r}; expected one of {', '.join(map(repr, _NAMES))}"
+            f"{did_you_mean(name, _NAMES)}, or a tier object such as remat.store.DiskTier()."
         )
-    return _chosen.tiers.get(name) or _default(name)
 
 
 def store_for(tier: Tier | str) -> Store:
@@ -70,8 +76,9 @@ def store_for(tier: Tier | str) -> Store:
         return store
 
 
-@contextlib.contextmanager
-def tiers(*, host: Tier | None = None, disk: Tier | None = None) -> Iterator[None]:
+def tiers(
+    *, host: Tier | None = None, disk: Tier | None = None
+) -> contextlib.AbstractContextManager[None]:
     """Use these tier objects for the names ``"host"`` and ``"disk"`` in this block.
 
     ::
@@ -81,11 +88,18 @@ def tiers(*, host: Tier | None = None, disk: Tier | None = None) -> Iterator[Non
         loss.backward()
     """
     for name, tier in (("host", host), ("disk", disk)):
-        if tier is not None and not _is_tier(tier):
+        if tier is not None and not is_tier(tier):
             raise RematError(
-                f"remat.store.tiers: {name}= must be a tier (HostTier, DiskTier or an object "
-                f"with put/prefetch/get/drop/flush/close), got {type(tier).__name__}."
+                f"remat: remat.store.tiers expected {name}= to be a tier (HostTier, DiskTier "
+                f"or an object with put/prefetch/get/drop/flush/close), found "
+                f"{type(tier).__name__} {tier!r}. Pass e.g. {name}=remat.store."
+                f"{'HostTier' if name == 'host' else 'DiskTier'}()."
             )
+    return _using(host, disk)
+
+
+@contextlib.contextmanager
+def _using(host: Tier | None, disk: Tier | None) -> Iterator[None]:
     previous = dict(_chosen.tiers)
     _chosen.tiers.update({k: v for k, v in (("host", host), ("disk", disk)) if v is not None})
     try:
@@ -94,36 +108,70 @@ def tiers(*, host: Tier | None = None, disk: Tier | None = None) -> Iterator[Non
         _chosen.tiers = previous
 
 
-def _is_tier(obj: object) -> bool:
-    return all(callable(getattr(obj, m, None)) for m in ("put", "prefetch", "get", "drop", "flush"))
-
-
 class Scope:
-    """An active ``remat.offload`` block: its store and the smallest tensor it moves."""
+    """An active ``remat.offload`` block: its store, the smallest tensor it moves, and the
+    storages of the buffers of every module called in it (see :meth:`outlives`)."""
 
-    __slots__ = ("min_bytes", "store")
+    __slots__ = ("buffers", "min_bytes", "store")
 
     def __init__(self, store: Store, min_bytes: int) -> None:
         self.store = store
         self.min_bytes = min_bytes
+        # storage key -> the storage, weakly: buffers of modules called in the block
+        self.buffers: dict[int, weakref.ref[torch.UntypedStorage]] = {}
 
     def wants(self, t: torch.Tensor) -> bool:
-        if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+        if self.outlives(t):
             return False  # model state and inputs live on anyway: moving them frees nothing
         return self.store.takes(t) and t.numel() * t.element_size() >= self.min_bytes
 
+    def outlives(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` outlives the step: see :func:`outlives_the_step`, or it is a buffer
+        of a module called in the block (BatchNorm saves its running statistics), or a view
+        of one."""
+        if outlives_the_step(t):
+            return True
+        if t.grad_fn is not None and t._base is None:
+            return False
+        storage = t.untyped_storage()
+        held = self.buffers.get(storage._cdata)
+        return held is not None and held() is storage
 
-@contextlib.contextmanager
+    def note_buffers(self, module: torch.nn.Module) -> None:
+        for buffer in module._buffers.values():
+            if buffer is not None and buffer.layout is torch.strided and not buffer.is_meta:
+                storage = buffer.untyped_storage()
+                self.buffers[storage._cdata] = weakref.ref(storage)
+
+
+def outlives_the_step(t: torch.Tensor) -> bool:
+    """Whether ``t`` is model state or a user's input, or a view of one: a parameter, a leaf
+    that requires grad, or a view whose base is such a tensor (``nn.Linear`` saves
+    ``weight.t()``). Its storage stays alive whatever autograd holds, so storing it in a tier
+    would only copy it, every step."""
+    base = t._base if t._base is not None else t
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
+def _note_buffers(module: torch.nn.Module, args: Any) -> None:
+    """Global forward pre-hook while a block runs: the module's buffers outlive the step."""
+    scope = _state.state.offload
+    if isinstance(scope, Scope):
+        scope.note_buffers(module)
+
+
 def offload(
     tier: TierName | Tier = "host", *, min_bytes: int = 1024, prefetch: int | None = None
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Offload what the block saves for backward to ``tier``, until backward needs it.
 
     Every tensor autograd saves inside the block, of at least ``min_bytes``, goes to the tier
     (``"host"``: pinned host memory, for accelerator tensors; ``"disk"``: files in a private
     directory, for any tensor) and is brought back in backward, ``prefetch`` tensors ahead.
-    Parameters and leaves that require grad are left alone (they stay alive anyway); so are
-    CPU tensors under the host tier, which are in host memory already. Inside checkpointed
+    What outlives the step is left alone, since moving it frees nothing: parameters, leaves
+    that require grad, the buffers of the modules called in the block, and views of any of
+    these (``nn.Linear`` saves ``weight.t()``); so are CPU tensors under the host tier, which
+    are in host memory already. Inside checkpointed
     regions the region decides (a region engine saves only its inputs; a graph engine
     offloads here what its policy keeps). The block's writes are flushed when it exits, so a
     full disk raises there, before backward.
@@ -134,23 +182,30 @@ def offload(
             loss = model(x)
         loss.backward()
     """
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-        raise RematError(f"remat.offload: min_bytes must be an int >= 0, got {min_bytes!r}.")
-    if isinstance(tier, str):
-        store = store_for(tier_named(tier))
-    elif _is_tier(tier):
-        store = store_for(tier)
-    else:
-        raise RematError(
-            f"remat.offload: tier must be 'host', 'disk' or a tier object, got {tier!r}."
-        )
+    check_int("remat.offload", "min_bytes", min_bytes, 0, "remat.offload(min_bytes=1024)")
     if prefetch is not None:
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise RematError(f"remat.offload: prefetch must be an int >= 0, got {prefetch!r}.")
+        check_int("remat.offload", "prefetch", prefetch, 0, "remat.offload(prefetch=2)")
+    if isinstance(tier, str):
+        _check_name(tier)  # the object is the one the name stands for when the block starts
+    elif not is_tier(tier):
+        raise RematError(
+            f"remat: remat.offload expected tier to be 'host', 'disk' or a tier object (with "
+            f"put/prefetch/get/drop/flush/close), found {type(tier).__name__} {tier!r}. Pass "
+            f"e.g. remat.offload('disk') or remat.offload(remat.store.DiskTier('/scratch'))."
+        )
+    return _offload_block(tier, min_bytes, prefetch)
+
+
+@contextlib.contextmanager
+def _offload_block(tier: TierName | Tier, min_bytes: int, prefetch: int | None) -> Iterator[None]:
+    store = store_for(tier_named(tier) if isinstance(tier, str) else tier)
+    if prefetch is not None:
         store.prefetch = prefetch
     scope = Scope(store, min_bytes)
     previous = _state.state.offload
     _state.state.offload = scope
+    # Every module called in the block, on this thread, tells the scope its buffers.
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(_note_buffers)
     try:
         with torch.autograd.graph.saved_tensors_hooks(_packer(scope), _unpack):
             yield
@@ -158,6 +213,7 @@ def offload(
         drain(store)
         raise
     finally:
+        hook.remove()
         _state.state.offload = previous
     store.flush()
 
@@ -188,8 +244,12 @@ def _why_not(scope: Scope, t: torch.Tensor) -> str:
         if t.device.type == "cpu" and scope.store.tier.name == "host":
             return "already in host memory"
         return f"the {scope.store.tier.name} tier does not take this tensor"
-    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+    if outlives_the_step(t):
+        if t._base is not None:
+            return "a view of a leaf that requires grad (a parameter, an input), alive anyway"
         return "a leaf that requires grad, alive anyway"
+    if scope.outlives(t):
+        return "a module's buffer (or a view of one), alive anyway"
     return f"smaller than min_bytes={scope.min_bytes}"
 
 
