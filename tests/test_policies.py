@@ -9,6 +9,7 @@ an op whose output a policy keeps never shows up there, an op it recomputes does
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import weakref
 from collections import Counter
@@ -284,6 +285,103 @@ def test_a_policy_that_is_not_callable_raises() -> None:
         remat.region(policy=3),
     ):
         pass
+
+
+def _two_parameters(ctx: Any, op: Any) -> bool:
+    return True
+
+
+_FACTORY_CALLS = [
+    (policies.offload_everything, "offload_everything('host')"),
+    (policies.offload_matmuls, "offload_matmuls('host')"),
+    (policies.offload_larger_than, "offload_larger_than(2**20, 'host')"),
+    (policies.save_tagged, "save_tagged('name')"),
+    (policies.save_smaller_than, "save_smaller_than(2**20)"),
+    (policies.save_if_any, "save_if_any(save_matmuls, save_tagged('name'))"),
+    (policies.must, "must(save_matmuls)"),
+]
+
+
+def _fronts(policy: Any) -> list[tuple[str, Any]]:
+    """Each front that accepts a policy, as (its name, a call that gives it ``policy``)."""
+
+    def in_region() -> None:
+        with remat.region(policy=policy):
+            pass
+
+    return [
+        ("remat.checkpoint", lambda: remat.checkpoint(torch.sin, _leaf(2), policy=policy)),
+        ("remat.region", in_region),
+        (
+            "remat.checkpoint_wrapper",
+            lambda: remat.checkpoint_wrapper(nn.Linear(2, 2), policy=policy),
+        ),
+        (
+            "remat.apply",
+            lambda: remat.apply(nn.Sequential(nn.Linear(2, 2)), nn.Linear, policy=policy),
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("factory", "call"), _FACTORY_CALLS, ids=lambda v: getattr(v, "__name__", "")
+)
+def test_an_uncalled_factory_is_refused_where_it_is_given_with_the_call_to_make(
+    factory: Any, call: str
+) -> None:
+    for front, give in _fronts(factory):
+        expected = (
+            f"{front}: policy=remat.policies.{factory.__name__} is a factory; call it: "
+            f"policy=remat.policies.{call}."
+        )
+        with pytest.raises(remat.RematError, match=f"^{re.escape(expected)}$"):
+            give()
+    # The call the message names makes a policy.
+    made = eval(call, {**vars(policies)})
+    assert remat.policies.check(made, "test") is made
+
+
+def test_a_policy_without_the_op_arguments_in_its_signature_is_refused_where_it_is_given() -> None:
+    for front, give in _fronts(_two_parameters):
+        expected = (
+            f"{front}: policy=_two_parameters takes (ctx, op), but a policy is called "
+            "as policy(ctx, op, *args, **kwargs) with the op's arguments; give it those "
+            "parameters."
+        )
+        with pytest.raises(remat.RematError, match=f"^{re.escape(expected)}$"):
+            give()
+
+
+def test_combinators_check_their_policies_when_made() -> None:
+    with pytest.raises(
+        remat.RematError,
+        match=r"^remat\.policies\.must: policy must be a callable .* got str \('x'\)",
+    ):
+        policies.must("x")  # type: ignore[arg-type]
+    with pytest.raises(remat.RematError, match=r"^remat\.policies\.must: .*save_tagged is a"):
+        policies.must(policies.save_tagged)
+    with pytest.raises(remat.RematError, match=r"^remat\.policies\.save_if_any: .*offload_eve"):
+        policies.save_if_any(policies.save_matmuls, policies.offload_everything)
+    with pytest.raises(remat.RematError, match=r"^remat\.policies\.save_if_any: policy=_two_pa"):
+        policies.save_if_any(_two_parameters)
+
+
+def test_policies_of_every_accepted_shape_pass_the_check() -> None:
+    class Callable_:
+        def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+            return True
+
+    accepted = [
+        policies.save_matmuls,
+        policies.must(policies.save_everything),
+        torch_policy,
+        Callable_(),
+        lambda ctx, op, *a, **k: False,
+        functools.partial(lambda flag, ctx, op, *a, **k: flag, True),
+    ]
+    for policy in accepted:
+        assert policies.check(policy, "test") is policy
+        remat.checkpoint(torch.sin, _leaf(2), policy=policy).sum().backward()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from ._guard import WriteGuard
 from ._types import ContextFn
 from .errors import CheckpointError, RematError, did_you_mean
 from .policies import Policy
+from .policies import check as check_policy
 from .store.scope import offload_hooks
 
 __all__ = ["RegionOptions", "checkpoint"]
@@ -337,11 +338,7 @@ class RegionOptions:
                 f"(forward, recompute), got {type(self.context_fn).__name__}."
             )
         if self.policy is not None:
-            if not callable(self.policy):
-                raise RematError(
-                    f"{caller}: policy must be a callable (ctx, op, *args, **kwargs) -> "
-                    f"Decision, got {type(self.policy).__name__}; see remat.policies."
-                )
+            check_policy(self.policy, caller)
             region_only = [
                 name
                 for name, default in (

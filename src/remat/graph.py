@@ -74,6 +74,7 @@ from .policies import (
     reads_attention,
     resolve,
 )
+from .policies import check as check_policy
 from .store._store import Saved, Store
 from .store.scope import drain, store_for
 
@@ -599,11 +600,7 @@ def region(*, policy: Any) -> Iterator[None]:
     hand to an enclosing region); under ``torch.no_grad()`` and inside
     :func:`~remat.disable_checkpointing` the block runs plainly.
     """
-    if not callable(policy):
-        raise RematError(
-            f"remat.region: policy must be a callable (ctx, op, *args, **kwargs) -> Decision, "
-            f"got {type(policy).__name__}; see remat.policies."
-        )
+    check_policy(policy, "remat.region")
     if not torch.is_grad_enabled() or _state.state.disabled:
         yield
         return
