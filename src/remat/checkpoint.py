@@ -409,6 +409,18 @@ def checkpoint(
     Under ``torch.no_grad()`` and inside :func:`~remat.disable_checkpointing` the function runs
     plainly. See the notes [ Life of a saved tensor in a region ] and [ Nested regions ] in this
     module for the rules it follows.
+
+    Random ops and threads: the replay draws from the generator state that the forward pass
+    captured, the state at region entry (without a policy) or before each random op (with
+    one: consecutive random ops replay from the first one's state). PyTorch's default
+    generators are shared by all threads of the process: if another thread draws from one
+    between the capture and the region's draw (without a policy, anywhere in the region's
+    forward pass; with one, between two random ops of the region), or while backward replays
+    a random op, the replay draws other numbers than the forward pass did and the gradients
+    are wrong, without an error (``torch.utils.checkpoint`` shares this race). Threads that
+    draw random numbers while regions are alive should use their own ``torch.Generator``
+    (``torch.rand(..., generator=g)``), or not draw between a region's forward pass and the
+    end of its backward pass.
     """
     if not callable(function):
         raise RematError(

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import _state
+from . import _attention, _state
 from ._aten import op_info
 from ._aten import storage_key as _storage
 from ._dispatch import EagerMode
@@ -461,6 +461,11 @@ class _AttentionScope(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if func in _attention.MATMUL_FUNCTIONS and not self.graph.in_attention:
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):  # see NOTE [ Eager attention core ]
+                _attention.mark(self.graph, out)
+            return out
         if func is not F.scaled_dot_product_attention:
             return func(*args, **(kwargs or {}))
         self.graph.in_attention += 1

@@ -25,6 +25,15 @@ last.
    ``remat.store.tiers`` set for the thread (by default one host tier and one disk tier in the
    system's temporary directory per process). Inside a ``remat.offload`` block, outputs a
    policy keeps are offloaded to that block's tier too.
+
+NOTE [ Random ops under a policy ]
+
+A recomputed random op (dropout) replays with the generator state it drew from, so that it
+draws the same numbers; consecutive random ops replayed together keep the first one's state.
+The default generators are shared by the threads of the process: another thread drawing from
+one between two random ops of a region, or while backward replays them, shifts the numbers
+the replay draws and the gradients are silently wrong (as with ``torch.utils.checkpoint``).
+Give such threads their own ``torch.Generator``; see ``remat.checkpoint``.
 """
 
 from __future__ import annotations
@@ -118,7 +127,9 @@ class OpContext:
     ``module`` is the qualified name of the module the op ran in; ``tags`` the names given with
     ``remat.tag`` (set when the policies are asked again about a tagged tensor's op);
     ``in_attention`` whether the op runs inside ``scaled_dot_product_attention`` (tracked while
-    a policy on the stack may read it, see :func:`reads_attention`);
+    a policy on the stack may read it, see :func:`reads_attention`), or in the core of
+    attention written out (matmul, softmax, dropout, matmul), where the policies are asked
+    again with ``in_attention=True`` once the core's last matmul has run;
     ``output_bytes`` what keeping the op's results would hold (a view holds its whole storage),
     or ``None`` when asked about a tagged tensor. ``is_recompute`` is always ``False``
     (policies run in forward only); it is there so that torch selective-checkpointing policies
@@ -398,7 +409,12 @@ def save_smaller_than(nbytes: int) -> Policy:
 def recompute_attention_core(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
     """Megatron's selective recompute: attention scores and probabilities take memory
     quadratic in the sequence for little compute, so recompute everything inside
-    ``scaled_dot_product_attention`` and keep the rest."""
+    ``scaled_dot_product_attention`` and keep the rest.
+
+    Attention written out (Hugging Face's ``attn_implementation="eager"``: matmul, scale,
+    mask, softmax over the last dimension, dropout, matmul) is recognised too, once its second
+    matmul runs: the ops from the first matmul to the second's input are recomputed (see NOTE
+    [ Eager attention core ] in ``remat._attention``)."""
     return Decision.PREFER_RECOMPUTE if ctx.in_attention else Decision.PREFER_SAVE
 
 
