@@ -236,12 +236,19 @@ def test_offloaded_bytes_are_what_the_disk_tier_stores(tmp_path: Any) -> None:
 
 
 def test_parameters_saved_in_a_region_are_held_not_recomputed() -> None:
-    for policy in (None, policies.recompute_everything):
+    for policy in (None, policies.recompute_everything, policies.save_everything):
         model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
         remat.checkpoint_wrapper(model[0], policy=policy)
         report = explain(model, torch.randn(2, 4, requires_grad=True))
         params = [r for r in report.rows if r.kind == "parameter"]
         assert params and {r.decision for r in params} == {"keep"}
+        # The engine's kept ``weight.t()`` is the parameter's storage, not an activation.
+        assert not [r for r in report.rows if "held to rebuild" in r.how]
+        assert {r.how for r in report.rows if r.kind == "input"} <= {
+            "region input",
+            "graph engine, the region's input",
+            "region engine",
+        }
 
 
 def test_a_result_the_engine_keeps_for_a_replay_is_listed() -> None:

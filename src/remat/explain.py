@@ -58,7 +58,7 @@ from . import _state
 from ._aten import op_info
 from ._aten import storage_key as _key
 from ._dispatch import EagerMode
-from ._nodes import Ref
+from ._nodes import Ref, _Input
 from .errors import RematError
 from .store._store import Saved
 
@@ -340,12 +340,14 @@ class _Explainer:
         offloaded: set[int] = set()
         for index, graph, ref, owner in self.graph_rows:
             row = self.rows[index]
+            if isinstance(owner, Ref):
+                owners.add((id(graph), owner))
             if row.kind == "parameter" or owner is None:
                 continue
             if not isinstance(owner, Ref):
-                self.rows[index] = replace(row, decision="keep", how=_HOW_OUTSIDE)
+                how = _HOW_INPUT if isinstance(owner, _Input) else _HOW_OUTSIDE
+                self.rows[index] = replace(row, decision="keep", how=how)
                 continue
-            owners.add((id(graph), owner))
             node = graph.nodes[owner.node]
             kept = node.kept.get(owner.key)
             view = "" if owner == ref else f", a view of {node.op.overloadpacket.__name__}'s result"
@@ -379,6 +381,8 @@ class _Explainer:
             offloaded.add(id(kept.stored))
         else:
             t = kept.tensor
+            if _key(t) in self.params:  # a view of a parameter: held by the model anyway
+                return
             shared = self.seen.get(t) is not None
             self.seen.set(t, True)
             row = SavedTensor(
@@ -389,6 +393,7 @@ class _Explainer:
         self.rows.append(row)
 
 
+_HOW_INPUT = "graph engine, the region's input"
 _HOW_OUTSIDE = "graph engine, a tensor from outside the region, held as it is"
 
 
