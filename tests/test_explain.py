@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import remat
-from remat.explain import explain
+from remat import policies
+from remat.explain import SavedTensorReport, explain
 from remat.workloads import get_workload
 
 
@@ -63,7 +66,13 @@ def test_checkpointed_blocks_are_recomputed_and_their_inputs_kept() -> None:
     model = remat.apply(workload.model(seed=0), workload.block_types)
     after = explain(model, x)
     inside = [r for r in after.rows if r.module.startswith("blocks.") and "." in r.module[7:]]
-    assert inside and {(r.decision, r.how) for r in inside} == {("recompute", "region engine")}
+    activations = [r for r in inside if r.kind != "parameter"]
+    assert activations and {(r.decision, r.how) for r in activations} == {
+        ("recompute", "region engine")
+    }
+    assert {(r.decision, r.how) for r in inside if r.kind == "parameter"} == {
+        ("keep", "region engine: a parameter, held by the model")
+    }
     inputs = [r for r in after.rows if r.how == "region input"]
     assert [r.module for r in inputs] == [f"blocks.{i}" for i in range(4)]
     assert {r.decision for r in inputs} == {"keep"}
@@ -99,7 +108,9 @@ def test_sorting_json_and_table() -> None:
     by_size = report.sorted("bytes")
     assert [r.bytes for r in by_size.rows] == sorted((r.bytes for r in report.rows), reverse=True)
     assert report.sorted("order").rows == report.rows
-    data = json.loads(report.dumps())
+    text = report.to_json()
+    assert isinstance(text, str) and json.loads(text) == json.loads(json.dumps(report.to_dict()))
+    data = report.to_dict()
     assert len(data["rows"]) == len(report.rows) and data["kept_bytes"] == report.kept_bytes
     text = report.table(limit=2)
     assert "totals by module" in text and "more rows" in text and "gelu" in str(report)
@@ -130,3 +141,160 @@ def test_explain_total_equals_the_trackers_saved_bytes(checkpointed: bool) -> No
     with remat.MemoryTracker(model) as tracker:
         model(x)
     assert report.kept_bytes == tracker.report().saved_bytes > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# What the engines do, told truly
+# ---------------------------------------------------------------------------------------------
+
+_POLICIES = {
+    "save_everything": policies.save_everything,
+    "recompute_everything": policies.recompute_everything,
+    "save_matmuls": policies.save_matmuls,
+    "save_smaller_than": policies.save_smaller_than(4096),
+    "recompute_attention_core": policies.recompute_attention_core,
+    "save_tagged": policies.save_tagged("none"),
+    "offload_everything": policies.offload_everything("host"),
+    "offload_matmuls": policies.offload_matmuls("host"),
+}
+
+
+def _gpt(policy: Any = None) -> tuple[nn.Module, torch.Tensor]:
+    workload = get_workload("gpt", "small")
+    model = workload.model(seed=0)
+    if policy is not None:
+        remat.apply(model, workload.block_types, policy=policy)
+    x, _ = workload.batch(seed=0)
+    return model, x
+
+
+@functools.cache
+def _plain_gpt_report() -> SavedTensorReport:
+    return explain(*_gpt())
+
+
+def _held_after_forward(model: nn.Module, x: torch.Tensor) -> int:
+    """What the forward pass leaves allocated besides its output, by the tracker's books."""
+    with remat.MemoryTracker(model) as tracker:
+        out = model(x)
+        held = tracker.live_bytes() - out.nbytes
+        del out
+    return held
+
+
+def _unique(report: SavedTensorReport, decision: str, kind: str = "activation") -> int:
+    return sum(
+        r.storage_bytes
+        for r in report.rows
+        if r.decision == decision and r.kind == kind and not r.shared
+    )
+
+
+@pytest.mark.parametrize("name", list(_POLICIES))
+def test_kept_bytes_are_what_the_forward_pass_leaves_allocated_under_each_policy(
+    name: str,
+) -> None:
+    model, x = _gpt(_POLICIES[name])
+    report = explain(model, x)
+    # The token ids were allocated before the tracker started: it does not count them.
+    assert report.kept_bytes - _unique(report, "keep", "input") == _held_after_forward(model, x)
+    # Every storage a plain run saves is kept, recomputed or offloaded; the engine may hold
+    # more than that (results it replays saved tensors from), never less.
+    plain = _plain_gpt_report()
+    extra = sum(r.storage_bytes for r in report.rows if "held to rebuild" in r.how and not r.shared)
+    assert plain.kept_bytes == (
+        report.kept_bytes + report.recomputed_bytes + report.offloaded_bytes - extra
+    )
+    assert not [r for r in report.rows if r.kind == "parameter" and r.decision != "keep"]
+
+
+def test_save_matmuls_keeps_the_matmul_results_that_recompute_everything_rebuilds() -> None:
+    everything = explain(*_gpt(policies.recompute_everything))
+    matmuls = explain(*_gpt(policies.save_matmuls))
+    assert matmuls.kept_bytes > everything.kept_bytes
+    # What save_matmuls keeps besides what recompute_everything keeps: the four linear layers'
+    # (B*T, out) results per block, 2*16*(96 + 32 + 128 + 32) floats, and the attention
+    # kernel's output and its logsumexp-free math path results are not among them on CPU.
+    linear = 2 * 16 * (96 + 32 + 128 + 32) * 4
+    addmm = [r for r in matmuls.rows if r.op == "addmm" and r.kind == "activation"]
+    assert addmm and {r.decision for r in addmm} == {"keep"}
+    assert {r.decision for r in everything.rows if r.op == "addmm"} == {"recompute"}
+    assert matmuls.kept_bytes - everything.kept_bytes >= 4 * linear
+
+
+def test_offloaded_bytes_are_what_the_disk_tier_stores(tmp_path: Any) -> None:
+    model, x = _gpt(policies.offload_matmuls("disk"))
+    with remat.store.tiers(disk=remat.store.DiskTier(tmp_path)):
+        report = explain(model, x)
+        store = remat.store.scope.store_for("disk")
+        before = store.stored_bytes
+        out = model(x)
+        stored = store.stored_bytes - before
+        del out
+    assert report.offloaded_bytes == stored > 0
+    assert {r.decision for r in report.rows if r.op == "addmm"} == {"offload"}
+
+
+def test_parameters_saved_in_a_region_are_held_not_recomputed() -> None:
+    for policy in (None, policies.recompute_everything, policies.save_everything):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        remat.checkpoint_wrapper(model[0], policy=policy)
+        report = explain(model, torch.randn(2, 4, requires_grad=True))
+        params = [r for r in report.rows if r.kind == "parameter"]
+        assert params and {r.decision for r in params} == {"keep"}
+        # The engine's kept ``weight.t()`` is the parameter's storage, not an activation.
+        assert not [r for r in report.rows if "held to rebuild" in r.how]
+        assert {r.how for r in report.rows if r.kind == "input"} <= {
+            "region input",
+            "graph engine, the region's input",
+            "region engine",
+        }
+
+
+def test_a_result_the_engine_keeps_for_a_replay_is_listed() -> None:
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w  # kept by save_matmuls; no backward formula saves it
+        return (h * 2).sin()  # sin saves h * 2, rebuilt from h
+
+    x = torch.randn(3, 4, requires_grad=True)
+    report = explain(lambda x: remat.checkpoint(f, x, policy=policies.save_matmuls), x)
+    rows = [(r.op, r.decision, r.how) for r in report.rows if r.kind == "activation"]
+    assert rows == [
+        ("mul", "recompute", "graph engine"),
+        ("mm", "keep", "graph engine, held to rebuild saved tensors"),
+    ]
+    # x (mm saves it, as the region's input), w (mm saves it too) and h.
+    assert report.kept_bytes == 3 * 4 * 4 + 4 * 4 * 4 + 3 * 4 * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# The table and the export
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_table_of_nothing_saved() -> None:
+    report = explain(lambda x: x + 1, torch.randn(2))
+    assert report.rows == []
+    text = report.table()
+    assert "(nothing saved for backward)" in text and "total: kept 0.000 MiB" in text
+    assert report.table(limit=0) == text
+
+
+def test_limit_caps_rows_and_modules_and_rejects_negatives() -> None:
+    model, x = _gpt()
+    report = explain(model, x)
+    modules = len(report.by_module())
+    assert len(report.rows) > 3 and modules > 3
+    text = report.table(limit=3)
+    lines = text.splitlines()
+    assert len(lines) == 1 + 3 + 1 + 1 + 1 + 1 + 3 + 1 + 1
+    assert f"... {len(report.rows) - 3} more rows" in text
+    assert f"... {modules - 3} more modules" in text
+    none = report.table(limit=0).splitlines()
+    assert none[1] == f"... {len(report.rows)} more rows" and len(none) == 7
+    assert len(report.table().splitlines()) == 1 + len(report.rows) + 1 + 1 + 1 + modules + 1
+    for bad in (-1, 1.5, True):
+        with pytest.raises(remat.RematError, match=r"table\(limit=.*\): expected a number of rows"):
+            report.table(limit=bad)  # type: ignore[arg-type]

@@ -989,8 +989,11 @@ def test_explain_reports_graph_engine_decisions() -> None:
     assert activations == [
         ("1", "addmm", (3, 6), "keep", "graph engine"),  # the first matmul's output, kept
         ("2", "tanh", (3, 5), "recompute", "graph engine"),  # tanh's result, replayed
+        # ... from the second matmul's output, which the engine holds for that replay
+        ("1", "addmm", (3, 5), "keep", "graph engine, held to rebuild saved tensors"),
     ]
-    assert report.kept_bytes == 3 * 8 * 4 + 3 * 6 * 4  # the region's input and the kept output
+    # The region's input and the two kept outputs.
+    assert report.kept_bytes == 3 * 8 * 4 + 3 * 6 * 4 + 3 * 5 * 4
     assert report.recomputed_bytes == 3 * 5 * 4
 
 

@@ -9,7 +9,9 @@ an op whose output a policy keeps never shows up there, an op it recomputes does
 from __future__ import annotations
 
 import copy
+import functools
 import re
+import threading
 import weakref
 from collections import Counter
 from typing import Any
@@ -284,6 +286,103 @@ def test_a_policy_that_is_not_callable_raises() -> None:
         remat.region(policy=3),
     ):
         pass
+
+
+def _two_parameters(ctx: Any, op: Any) -> bool:
+    return True
+
+
+_FACTORY_CALLS = [
+    (policies.offload_everything, "offload_everything('host')"),
+    (policies.offload_matmuls, "offload_matmuls('host')"),
+    (policies.offload_larger_than, "offload_larger_than(2**20, 'host')"),
+    (policies.save_tagged, "save_tagged('name')"),
+    (policies.save_smaller_than, "save_smaller_than(2**20)"),
+    (policies.save_if_any, "save_if_any(save_matmuls, save_tagged('name'))"),
+    (policies.must, "must(save_matmuls)"),
+]
+
+
+def _fronts(policy: Any) -> list[tuple[str, Any]]:
+    """Each front that accepts a policy, as (its name, a call that gives it ``policy``)."""
+
+    def in_region() -> None:
+        with remat.region(policy=policy):
+            pass
+
+    return [
+        ("remat.checkpoint", lambda: remat.checkpoint(torch.sin, _leaf(2), policy=policy)),
+        ("remat.region", in_region),
+        (
+            "remat.checkpoint_wrapper",
+            lambda: remat.checkpoint_wrapper(nn.Linear(2, 2), policy=policy),
+        ),
+        (
+            "remat.apply",
+            lambda: remat.apply(nn.Sequential(nn.Linear(2, 2)), nn.Linear, policy=policy),
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("factory", "call"), _FACTORY_CALLS, ids=lambda v: getattr(v, "__name__", "")
+)
+def test_an_uncalled_factory_is_refused_where_it_is_given_with_the_call_to_make(
+    factory: Any, call: str
+) -> None:
+    for front, give in _fronts(factory):
+        expected = (
+            f"{front}: policy=remat.policies.{factory.__name__} is a factory; call it: "
+            f"policy=remat.policies.{call}."
+        )
+        with pytest.raises(remat.RematError, match=f"^{re.escape(expected)}$"):
+            give()
+    # The call the message names makes a policy.
+    made = eval(call, {**vars(policies)})
+    assert remat.policies.check(made, "test") is made
+
+
+def test_a_policy_without_the_op_arguments_in_its_signature_is_refused_where_it_is_given() -> None:
+    for front, give in _fronts(_two_parameters):
+        expected = (
+            f"{front}: policy=_two_parameters takes (ctx, op), but a policy is called "
+            "as policy(ctx, op, *args, **kwargs) with the op's arguments; give it those "
+            "parameters."
+        )
+        with pytest.raises(remat.RematError, match=f"^{re.escape(expected)}$"):
+            give()
+
+
+def test_combinators_check_their_policies_when_made() -> None:
+    with pytest.raises(
+        remat.RematError,
+        match=r"^remat\.policies\.must: policy must be a callable .* got str \('x'\)",
+    ):
+        policies.must("x")  # type: ignore[arg-type]
+    with pytest.raises(remat.RematError, match=r"^remat\.policies\.must: .*save_tagged is a"):
+        policies.must(policies.save_tagged)
+    with pytest.raises(remat.RematError, match=r"^remat\.policies\.save_if_any: .*offload_eve"):
+        policies.save_if_any(policies.save_matmuls, policies.offload_everything)
+    with pytest.raises(remat.RematError, match=r"^remat\.policies\.save_if_any: policy=_two_pa"):
+        policies.save_if_any(_two_parameters)
+
+
+def test_policies_of_every_accepted_shape_pass_the_check() -> None:
+    class Callable_:
+        def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+            return True
+
+    accepted = [
+        policies.save_matmuls,
+        policies.must(policies.save_everything),
+        torch_policy,
+        Callable_(),
+        lambda ctx, op, *a, **k: False,
+        functools.partial(lambda flag, ctx, op, *a, **k: flag, True),
+    ]
+    for policy in accepted:
+        assert policies.check(policy, "test") is policy
+        remat.checkpoint(torch.sin, _leaf(2), policy=policy).sum().backward()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -871,3 +970,134 @@ def test_the_flop_count_sees_a_replay() -> None:
         out.square().sum().backward()
     forward = 57600 + 11520 + 11520 + 19200 + 76800 + 76800
     assert flops.get_total_flops() == PLAIN_BACKWARD_FLOPS + forward
+
+
+# ---------------------------------------------------------------------------------------------
+# C. recompute_attention_core on attention written out, as Hugging Face's "eager" does it
+# ---------------------------------------------------------------------------------------------
+
+
+class EagerAttention(nn.Module):
+    """Self-attention as ``attn_implementation="eager"`` computes it in Hugging Face models:
+    matmul, scale, mask, softmax in float32, dropout, matmul; no scaled_dot_product_attention."""
+
+    def __init__(self, width: int = _D, heads: int = _H, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(width, width) for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        shape = (b, t, self.heads, d // self.heads)
+        query = self.q_proj(x).view(shape).transpose(1, 2)
+        key = self.k_proj(x).view(shape).transpose(1, 2)
+        value = self.v_proj(x).view(shape).transpose(1, 2)
+        weights = torch.matmul(query, key.transpose(2, 3)) * (d // self.heads) ** -0.5
+        weights = weights + mask
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        weights = F.dropout(weights, p=self.dropout, training=self.training)
+        out = torch.matmul(weights, value)
+        return self.o_proj(out.transpose(1, 2).contiguous().reshape(b, t, d))
+
+
+def _eager_backward(policy: Any) -> tuple[Counter[str], Counter[Any], list[torch.Tensor | None]]:
+    """Backward op counts, matmuls and grads of an eager attention block, plainly or under
+    ``policy``, from the same parameters, input and random state (dropout active)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        block = EagerAttention()
+    x = torch.randn(_B, _T, _D, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    mask = torch.triu(torch.full((_T, _T), float("-inf")), 1)
+    torch.manual_seed(2)
+    out = block(x, mask) if policy is None else remat.checkpoint(block, x, mask, policy=policy)
+    with counting_ops() as ops, _Matmuls() as matmuls:
+        out.square().sum().backward()
+    grads = [x.grad, *(p.grad for p in block.parameters())]
+    return Counter(ops.counts), matmuls.ops, grads
+
+
+def test_recompute_attention_core_recomputes_the_core_of_eager_attention() -> None:
+    plain_ops, plain_matmuls, plain_grads = _eager_backward(None)
+    ops, matmuls, grads = _eager_backward(policies.recompute_attention_core)
+    assert_equal(plain_grads, grads, "grads")
+    # Backward replays the scores (q @ k^T), the softmax and the dropout mask: the tensors
+    # quadratic in the sequence. Not q, k, v (their projections are kept), not probs @ v.
+    assert matmuls - plain_matmuls == Counter({SCORES: 1})
+    replayed = ops - plain_ops
+    assert replayed["_softmax"] == replayed["bernoulli_"] == replayed["bmm"] == 1
+    assert replayed["addmm"] == 0 and not plain_ops - ops
+    # What the forward pass holds: the quadratic tensors are gone, the projections stay.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        block = EagerAttention()
+    x = _leaf(_B, _T, _D)
+    mask = torch.triu(torch.full((_T, _T), float("-inf")), 1)
+    report = remat.explain(
+        lambda x: remat.checkpoint(block, x, mask, policy=policies.recompute_attention_core), x
+    )
+    rows = [r for r in report.rows if r.kind == "activation"]
+    quadratic = {(r.op, r.decision) for r in rows if r.shape[-2:] == (_T, _T)}
+    assert quadratic == {("_softmax", "recompute"), ("div_", "recompute"), ("mul", "recompute")}
+    heads = {
+        (r.shape, r.decision)
+        for r in rows
+        if len(r.shape) == 3 and r.shape[0] == _B * _H and r.shape[1:] != (_T, _T)
+    }
+    assert heads == {((4, 12, 10), "keep"), ((4, 10, 12), "keep")}  # q, k^T and v
+
+
+def test_a_softmax_that_feeds_no_matmul_is_not_attention() -> None:
+    def router(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        scores = torch.matmul(x, w).softmax(dim=-1)  # a softmax after a matmul, then no matmul
+        return (scores * x[..., :4]).sum()
+
+    x, w = _leaf(3, 8), _leaf(8, 4)
+    ops = run_both(router, x, w, policy=policies.recompute_attention_core)
+    assert ops["_softmax"] == 0 and ops["mm"] == 2  # nothing replayed: only x's and w's grads
+
+
+# ---------------------------------------------------------------------------------------------
+# D. Random ops and threads (NOTE [ Random ops under a policy ], remat.checkpoint's docstring)
+# ---------------------------------------------------------------------------------------------
+
+
+def _two_dropouts(generator: torch.Generator | None) -> Any:
+    """Two dropouts; between them, in forward only, another thread draws 8 numbers from
+    ``generator`` (the default CPU generator when ``None``)."""
+
+    def draw() -> None:
+        torch.rand(8, generator=generator)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(x * 2, 0.5)
+        if not remat.is_recomputing():
+            other = threading.Thread(target=draw)
+            other.start()
+            other.join()
+        return F.dropout(h.sin(), 0.5).sum()
+
+    return f
+
+
+@pytest.mark.parametrize(
+    "policy", [None, policies.recompute_everything], ids=["region engine", "graph engine"]
+)
+def test_a_thread_with_its_own_generator_leaves_the_replay_exact(policy: Any) -> None:
+    def grads(generator: torch.Generator | None, checkpointed: bool) -> torch.Tensor:
+        x = torch.randn(64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        f = _two_dropouts(generator)
+        torch.manual_seed(0)
+        (remat.checkpoint(f, x, policy=policy) if checkpointed else f(x)).backward()
+        assert x.grad is not None
+        return x.grad
+
+    # The documented remedy: the other thread draws from a generator of its own.
+    own = torch.Generator().manual_seed(5)
+    plain = grads(own, checkpointed=False)
+    own.manual_seed(5)
+    assert torch.equal(plain, grads(own, checkpointed=True))
+    # The race it avoids: a draw from the shared default generator between the two dropouts
+    # shifts the second mask in forward, not in the replay.
+    assert not torch.equal(grads(None, checkpointed=False), grads(None, checkpointed=True))

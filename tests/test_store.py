@@ -169,7 +169,13 @@ def test_one_policy_keeps_offloads_and_recomputes(host: HostTier) -> None:
     remat.checkpoint_wrapper(mlp, policy=three_ways)
     report = remat.explain(mlp, torch.randn(4, 8))
     rows = [(r.op, r.decision) for r in report.rows if r.kind == "activation"]
-    assert rows == [("addmm", "keep"), ("gelu", "offload"), ("tanh", "recompute")]
+    # The second linear layer's result is held too: tanh's output is rebuilt from it.
+    assert rows == [
+        ("addmm", "keep"),
+        ("gelu", "offload"),
+        ("tanh", "recompute"),
+        ("addmm", "keep"),
+    ]
 
 
 def test_torch_cpu_offload_policy_works_unchanged(host: HostTier) -> None:

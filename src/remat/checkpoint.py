@@ -57,6 +57,7 @@ from ._guard import WriteGuard
 from ._types import ContextFn
 from .errors import CheckpointError, RematError, did_you_mean
 from .policies import Policy
+from .policies import check as check_policy
 from .store.scope import offload_hooks
 
 __all__ = ["RegionOptions", "checkpoint"]
@@ -349,11 +350,7 @@ class RegionOptions:
                 f"(forward, recompute), got {type(self.context_fn).__name__}."
             )
         if self.policy is not None:
-            if not callable(self.policy):
-                raise RematError(
-                    f"{caller}: policy must be a callable (ctx, op, *args, **kwargs) -> "
-                    f"Decision, got {type(self.policy).__name__}; see remat.policies."
-                )
+            check_policy(self.policy, caller)
             region_only = [
                 name
                 for name, default in (
@@ -426,6 +423,18 @@ def checkpoint(
     module for the rules it follows. Under ``torch.compile`` the region lowers to torch's
     checkpoint (a policy to a selective-checkpoint context), and a compiled ``function`` is
     recomputed as compiled; see ``_compile.py`` for what changes.
+
+    Random ops and threads: the replay draws from the generator state that the forward pass
+    captured, the state at region entry (without a policy) or before each random op (with
+    one: consecutive random ops replay from the first one's state). PyTorch's default
+    generators are shared by all threads of the process: if another thread draws from one
+    between the capture and the region's draw (without a policy, anywhere in the region's
+    forward pass; with one, between two random ops of the region), or while backward replays
+    a random op, the replay draws other numbers than the forward pass did and the gradients
+    are wrong, without an error (``torch.utils.checkpoint`` shares this race). Threads that
+    draw random numbers while regions are alive should use their own ``torch.Generator``
+    (``torch.rand(..., generator=g)``), or not draw between a region's forward pass and the
+    end of its backward pass.
     """
     if torch.compiler.is_compiling():
         # Under Dynamo the region lowers to torch's checkpoint: [ Regions under torch.compile ].

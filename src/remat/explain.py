@@ -19,6 +19,24 @@ How each fact is found:
   address, so what the forward pass frees is not confused with what it allocates next.
 * **module**: forward pre- and post-hooks keep the stack of qualified module names.
 
+NOTE [ What a graph region holds ]
+
+A graph-engine region decides per op, but what it holds after forward is decided per storage,
+at region exit (``remat.graph``, [ Life of a replayed tensor ] 2). The decision of the op that
+made a saved tensor is not its fate:
+
+1. a saved view (``F.linear`` saves its ``addmm`` result as a ``view``) is rebuilt by a cheap
+   view op, but its bytes are those of the result it views: kept if the engine kept that
+   result, offloaded if it moved it to a tier, recomputed only if neither;
+2. the engine holds results that no backward formula saves, when a saved tensor is rebuilt
+   from them (``h = x @ w; (h * 2).sin()`` under ``save_matmuls`` keeps ``h`` to rebuild
+   ``h * 2``): each gets a row of its own, "held to rebuild saved tensors";
+3. parameters are held by the model whatever a region does with the views it saved of them.
+
+So each row saved in a graph region is settled once the forward pass is over, from the
+engine's records, and the totals are what the forward pass leaves allocated (the tests check
+them against ``remat.MemoryTracker`` and the disk tier's stored bytes for each policy).
+
 The forward pass runs under a forked random state, and when a module is given its buffers are
 restored afterwards, so explaining a model does not change its training.
 """
@@ -27,9 +45,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -39,7 +58,9 @@ from . import _state
 from ._aten import op_info
 from ._aten import storage_key as _key
 from ._dispatch import EagerMode
+from ._nodes import Ref, _Input
 from .errors import RematError
+from .store._store import Saved
 
 __all__ = ["SavedTensor", "SavedTensorReport", "explain"]
 
@@ -131,7 +152,16 @@ class SavedTensorReport:
         return SavedTensorReport(sorted(self.rows, key=lambda r: getattr(r, by), reverse=reverse))
 
     def table(self, limit: int | None = None) -> str:
-        """A text table of the rows (the first ``limit``), then totals by module."""
+        """A text table of the rows, then totals by module. ``limit`` caps both lists: at most
+        ``limit`` rows and ``limit`` modules are printed, each list followed by how many it
+        left out (``0`` prints the totals alone)."""
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
+        ):
+            raise RematError(
+                f"remat.explain: table(limit={limit!r}): expected a number of rows >= 0, or None "
+                "for every row."
+            )
         header = ("#", "module", "op", "shape", "dtype", "MiB", "remat")
         lines = [
             (
@@ -145,19 +175,27 @@ class SavedTensorReport:
             )
             for r in self.rows[:limit]
         ]
-        widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
-        out = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
-        out += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
-        if limit is not None and len(self.rows) > limit:
-            out.append(f"... {len(self.rows) - limit} more rows")
+        widths = [max([len(h), *(len(line[i]) for line in lines)]) for i, h in enumerate(header)]
+        out = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+        out += [
+            "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+            for line in lines
+        ]
+        if not self.rows:
+            out.append("(nothing saved for backward)")
+        elif len(lines) < len(self.rows):
+            out.append(f"... {len(self.rows) - len(lines)} more rows")
         out.append("* storage shared with an earlier row, counted once in totals")
         out.append("")
         out.append("totals by module (MiB): kept / recomputed / offloaded")
-        for name, t in self.by_module().items():
+        modules = list(self.by_module().items())
+        for name, t in modules[:limit]:
             out.append(
                 f"  {name or '(top)'}: {t.kept_bytes / 2**20:.3f} / "
                 f"{t.recomputed_bytes / 2**20:.3f} / {t.offloaded_bytes / 2**20:.3f}"
             )
+        if limit is not None and len(modules) > limit:
+            out.append(f"  ... {len(modules) - limit} more modules")
         out.append(
             f"total: kept {self.kept_bytes / 2**20:.3f} MiB, recomputed "
             f"{self.recomputed_bytes / 2**20:.3f} MiB, offloaded "
@@ -168,7 +206,8 @@ class SavedTensorReport:
     def __str__(self) -> str:
         return self.table()
 
-    def to_json(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
+        """The rows, totals by module and totals, as plain Python values."""
         return {
             "rows": [asdict(r) for r in self.rows],
             "by_module": {k: asdict(v) for k, v in self.by_module().items()},
@@ -177,8 +216,9 @@ class SavedTensorReport:
             "offloaded_bytes": self.offloaded_bytes,
         }
 
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=2)
+    def to_json(self, indent: int | None = 2) -> str:
+        """:meth:`to_dict` as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
 
 
 class _StorageMap:
@@ -231,6 +271,15 @@ class _Producers(EagerMode):
         return out
 
 
+class _GraphRow(NamedTuple):
+    """A row saved in a graph-engine region, and the result whose storage it is."""
+
+    row: int
+    graph: Any
+    ref: Any  # the saved tensor's own reference in the graph
+    owner: Any  # the ``Ref`` of the result owning its storage, or a non-``Ref`` (input, held)
+
+
 class _Explainer:
     def __init__(self, params: set[int], producers: _Producers, modules: list[str]) -> None:
         self.params = params
@@ -238,6 +287,7 @@ class _Explainer:
         self.modules = modules
         self.rows: list[SavedTensor] = []
         self.seen = _StorageMap()
+        self.graph_rows: list[_GraphRow] = []
 
     def saved(self, t: torch.Tensor, decision: _state.Decision, how: str) -> None:
         key = _key(t)
@@ -251,6 +301,14 @@ class _Explainer:
             kind, op = "activation", produced[0]
         else:
             kind, op = "input", "input"
+        if kind == "parameter" and decision == "recompute":
+            # The engine rebuilds the view it saved (``weight.t()``), but the bytes are the
+            # parameter's, held by the model whatever remat does.
+            decision, how = "keep", f"{how}: a parameter, held by the model"
+        graph = _state.state.graph if how.startswith("graph engine") else None
+        if graph is not None:
+            ref, owner = _owner(graph, t)
+            self.graph_rows.append(_GraphRow(len(self.rows), graph, ref, owner))
         self.rows.append(
             SavedTensor(
                 order=len(self.rows),
@@ -273,6 +331,90 @@ class _Explainer:
         self.saved(t, "keep", how)
         # A detached alias: returning a saved output itself would tie it to its own grad_fn.
         return t.detach()
+
+    def settle(self) -> None:
+        """Once the forward pass is over: give each row saved in a graph-engine region the fate
+        of its storage as the engine left it, and add a row for each result the engine holds
+        that no saved tensor is a view of. See NOTE [ What a graph region holds ]."""
+        owners: set[tuple[int, Any]] = set()
+        offloaded: set[int] = set()
+        for index, graph, ref, owner in self.graph_rows:
+            row = self.rows[index]
+            if isinstance(owner, Ref):
+                owners.add((id(graph), owner))
+            if row.kind == "parameter" or owner is None:
+                continue
+            if not isinstance(owner, Ref):
+                how = _HOW_INPUT if isinstance(owner, _Input) else _HOW_OUTSIDE
+                self.rows[index] = replace(row, decision="keep", how=how)
+                continue
+            node = graph.nodes[owner.node]
+            kept = node.kept.get(owner.key)
+            view = "" if owner == ref else f", a view of {node.op.overloadpacket.__name__}'s result"
+            if kept is None:
+                self.rows[index] = replace(row, decision="recompute", how="graph engine" + view)
+            elif isinstance(kept, Saved):
+                shared = row.shared or id(kept.stored) in offloaded
+                offloaded.add(id(kept.stored))
+                how = f"graph engine, {kept.store.tier.name} tier{view}"
+                self.rows[index] = replace(row, decision="offload", how=how, shared=shared)
+            else:
+                self.rows[index] = replace(row, decision="keep", how="graph engine" + view)
+        graphs = {id(g): g for _, g, _, _ in self.graph_rows}
+        for graph in graphs.values():
+            for number, node in enumerate(graph.nodes):
+                for result, kept in node.kept.items():
+                    if (id(graph), Ref(number, result)) not in owners:
+                        self._held_for_replay(node, kept, offloaded)
+
+    def _held_for_replay(self, node: Any, kept: Any, offloaded: set[int]) -> None:
+        how = "graph engine, held to rebuild saved tensors"
+        op, module = node.op.overloadpacket.__name__, node.module
+        if isinstance(kept, Saved):
+            size = math.prod(kept.shape) * kept.dtype.itemsize
+            row = SavedTensor(
+                len(self.rows), module, op, tuple(kept.shape), str(kept.dtype),
+                str(kept.stored.device), size, kept.stored.nbytes,
+                id(kept.stored) in offloaded, "activation", "offload",
+                f"{how}, {kept.store.tier.name} tier",
+            )  # fmt: skip
+            offloaded.add(id(kept.stored))
+        else:
+            t = kept.tensor
+            if _key(t) in self.params:  # a view of a parameter: held by the model anyway
+                return
+            shared = self.seen.get(t) is not None
+            self.seen.set(t, True)
+            row = SavedTensor(
+                len(self.rows), module, op, tuple(t.shape), str(t.dtype), str(t.device),
+                t.numel() * t.element_size(), t.untyped_storage().nbytes(), shared,
+                "activation", "keep", how,
+            )  # fmt: skip
+        self.rows.append(row)
+
+
+_HOW_INPUT = "graph engine, the region's input"
+_HOW_OUTSIDE = "graph engine, a tensor from outside the region, held as it is"
+
+
+def _owner(graph: Any, t: torch.Tensor) -> tuple[Any, Any]:
+    """``t``'s reference in ``graph`` and the result whose storage ``t`` is (following views),
+    or ``(None, None)`` when the engine holds ``t`` as it is (read at another version)."""
+    entry = graph.lookup(t)
+    if entry is None or entry.version != t._version:
+        return None, None
+    owner = entry.ref
+    while isinstance(owner, Ref):
+        node = graph.nodes[owner.node]
+        if owner.key in node.kept or not _is_view(node.op) or not node.args:
+            break
+        owner = node.args[0]
+    return entry.ref, owner
+
+
+def _is_view(op: Any) -> bool:
+    """Whether ``op``'s result shares the storage of its first argument."""
+    return bool(getattr(op, "is_view", False)) or op.overloadpacket.__name__ == "_unsafe_view"
 
 
 @contextlib.contextmanager
@@ -337,7 +479,9 @@ def explain(
             stack.enter_context(_module_stack(model, modules))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(explainer.pack, _same))
             stack.enter_context(producers)
-            model_or_fn(*inputs, **kwargs)
+            out = model_or_fn(*inputs, **kwargs)
+        explainer.settle()  # while ``out`` keeps the autograd graph, and so the records, alive
+        del out
     finally:
         _state.state.observer = None
         if model is not None:

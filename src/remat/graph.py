@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import _state
+from . import _attention, _state
 from ._aten import op_info
 from ._aten import storage_key as _storage
 from ._dispatch import EagerMode
@@ -74,6 +74,7 @@ from .policies import (
     reads_attention,
     resolve,
 )
+from .policies import check as check_policy
 from .store._store import Saved, Store
 from .store.scope import drain, store_for
 
@@ -460,6 +461,11 @@ class _AttentionScope(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if func in _attention.MATMUL_FUNCTIONS and not self.graph.in_attention:
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):  # see NOTE [ Eager attention core ]
+                _attention.mark(self.graph, out)
+            return out
         if func is not F.scaled_dot_product_attention:
             return func(*args, **(kwargs or {}))
         self.graph.in_attention += 1
@@ -599,11 +605,7 @@ def region(*, policy: Any) -> Iterator[None]:
     hand to an enclosing region); under ``torch.no_grad()`` and inside
     :func:`~remat.disable_checkpointing` the block runs plainly.
     """
-    if not callable(policy):
-        raise RematError(
-            f"remat.region: policy must be a callable (ctx, op, *args, **kwargs) -> Decision, "
-            f"got {type(policy).__name__}; see remat.policies."
-        )
+    check_policy(policy, "remat.region")
     if not torch.is_grad_enabled() or _state.state.disabled:
         yield
         return

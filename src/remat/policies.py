@@ -25,11 +25,21 @@ last.
    ``remat.store.tiers`` set for the thread (by default one host tier and one disk tier in the
    system's temporary directory per process). Inside a ``remat.offload`` block, outputs a
    policy keeps are offloaded to that block's tier too.
+
+NOTE [ Random ops under a policy ]
+
+A recomputed random op (dropout) replays with the generator state it drew from, so that it
+draws the same numbers; consecutive random ops replayed together keep the first one's state.
+The default generators are shared by the threads of the process: another thread drawing from
+one between two random ops of a region, or while backward replays them, shifts the numbers
+the replay draws and the gradients are silently wrong (as with ``torch.utils.checkpoint``).
+Give such threads their own ``torch.Generator``; see ``remat.checkpoint``.
 """
 
 from __future__ import annotations
 
 import enum
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal, TypeAlias, TypeVar
@@ -44,6 +54,7 @@ __all__ = [
     "Decision",
     "OpContext",
     "Policy",
+    "check",
     "decides_by_op",
     "must",
     "offload_everything",
@@ -116,7 +127,9 @@ class OpContext:
     ``module`` is the qualified name of the module the op ran in; ``tags`` the names given with
     ``remat.tag`` (set when the policies are asked again about a tagged tensor's op);
     ``in_attention`` whether the op runs inside ``scaled_dot_product_attention`` (tracked while
-    a policy on the stack may read it, see :func:`reads_attention`);
+    a policy on the stack may read it, see :func:`reads_attention`), or in the core of
+    attention written out (matmul, softmax, dropout, matmul), where the policies are asked
+    again with ``in_attention=True`` once the core's last matmul has run;
     ``output_bytes`` what keeping the op's results would hold (a view holds its whole storage),
     or ``None`` when asked about a tagged tensor. ``is_recompute`` is always ``False``
     (policies run in forward only); it is there so that torch selective-checkpointing policies
@@ -224,6 +237,63 @@ def _name(policy: Any) -> str:
     return getattr(policy, "__name__", None) or type(policy).__name__
 
 
+# The built-in factories, each with a call that makes a policy of it: passing the factory
+# itself where a policy is expected is the easiest mistake to make with them.
+_FACTORIES: dict[str, str] = {}
+
+
+def _factory(example: str) -> Callable[[_P], _P]:
+    def mark(factory: _P) -> _P:
+        _FACTORIES[factory.__name__] = example
+        return factory
+
+    return mark
+
+
+def _is_factory(value: Any) -> str | None:
+    name = getattr(value, "__name__", None)
+    if name in _FACTORIES and globals().get(name) is value:
+        return _FACTORIES[name]
+    return None
+
+
+def check(policy: Any, caller: str) -> Any:
+    """Raise a :class:`~remat.RematError` unless ``policy`` can be called as
+    ``policy(ctx, op, *args, **kwargs)``; returns it. Every front that accepts a policy
+    (``checkpoint``, ``region``, ``apply``, ``checkpoint_wrapper``, the combinators) calls
+    this, so that a wrong value fails where it is given, not inside the first recorded op."""
+    example = _is_factory(policy)
+    if example is not None:
+        raise RematError(
+            f"{caller}: policy=remat.policies.{policy.__name__} is a factory; call it: "
+            f"policy=remat.policies.{example}."
+        )
+    if not callable(policy):
+        raise RematError(
+            f"{caller}: policy must be a callable (ctx, op, *args, **kwargs) -> Decision, got "
+            f"{type(policy).__name__} {_short(policy)}; see remat.policies."
+        )
+    try:
+        signature = inspect.signature(policy)
+    except (TypeError, ValueError):  # a builtin or extension callable: nothing to read
+        return policy
+    try:
+        signature.bind(OpContext(), aten.mm.default, None, None, None, keyword=None)
+    except TypeError:
+        raise RematError(
+            f"{caller}: policy={_name(policy)} takes ({', '.join(signature.parameters)}), but a "
+            "policy is called as "
+            "policy(ctx, op, *args, **kwargs) with the op's arguments; give it those "
+            "parameters."
+        ) from None
+    return policy
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return f"({text[:57]}...)" if len(text) > 60 else f"({text})"
+
+
 def resolve(decisions: list[Decision], op: Any, module: str) -> Decision:
     """One decision from a stack of them, innermost last; see [ Deciding with several policies ]."""
     musts = {d for d in decisions if d.must}
@@ -305,6 +375,7 @@ def save_matmuls(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision
     return Decision.PREFER_SAVE if op in MATMULS else Decision.PREFER_RECOMPUTE
 
 
+@_factory("save_tagged('name')")
 def save_tagged(*names: str) -> Policy:
     """Keep the tensors named with ``remat.tag(t, name)`` for one of ``names``; recompute the
     rest (JAX's ``save_only_these_names``)."""
@@ -319,6 +390,7 @@ def save_tagged(*names: str) -> Policy:
     return _reads("tags")(policy)
 
 
+@_factory("save_smaller_than(2**20)")
 def save_smaller_than(nbytes: int) -> Policy:
     """Keep outputs smaller than ``nbytes``: they cost little memory, and recomputing them
     would need the ops before them too."""
@@ -337,15 +409,23 @@ def save_smaller_than(nbytes: int) -> Policy:
 def recompute_attention_core(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
     """Megatron's selective recompute: attention scores and probabilities take memory
     quadratic in the sequence for little compute, so recompute everything inside
-    ``scaled_dot_product_attention`` and keep the rest."""
+    ``scaled_dot_product_attention`` and keep the rest.
+
+    Attention written out (Hugging Face's ``attn_implementation="eager"``: matmul, scale,
+    mask, softmax over the last dimension, dropout, matmul) is recognised too, once its second
+    matmul runs: the ops from the first matmul to the second's input are recomputed (see NOTE
+    [ Eager attention core ] in ``remat._attention``)."""
     return Decision.PREFER_RECOMPUTE if ctx.in_attention else Decision.PREFER_SAVE
 
 
+@_factory("save_if_any(save_matmuls, save_tagged('name'))")
 def save_if_any(*policies: Policy) -> Policy:
     """Keep an output if any of ``policies`` keeps it (JAX's ``save_from_both_policies``);
     else offload it if any offloads it (the first such decision); else recompute it."""
     if not policies or not all(callable(p) for p in policies):
         raise RematError(f"remat.policies.save_if_any: expected policies, got {policies!r}.")
+    for p in policies:
+        check(p, "remat.policies.save_if_any")
 
     def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
         decisions = [as_decision(p(ctx, op, *args, **kwargs), p, op) for p in policies]
@@ -381,6 +461,7 @@ def _offload_decision(caller: str, tier: str) -> Decision:
     return _OFFLOAD[tier]
 
 
+@_factory("offload_everything('host')")
 def offload_everything(tier: str = "host") -> Policy:
     """Move every output autograd needs to ``tier``: no recompute, and device memory only for
     what is in flight; the cost is bandwidth."""
@@ -393,6 +474,7 @@ def offload_everything(tier: str = "host") -> Policy:
     return _reads()(policy)
 
 
+@_factory("offload_matmuls('host')")
 def offload_matmuls(tier: str = "host") -> Policy:
     """Offload the outputs of the expensive ops (``MATMULS``) and recompute the cheap ones
     around them: backward replays no matmul, and keeps nothing on the device."""
@@ -405,6 +487,7 @@ def offload_matmuls(tier: str = "host") -> Policy:
     return _reads()(policy)
 
 
+@_factory("offload_larger_than(2**20, 'host')")
 def offload_larger_than(nbytes: int, tier: str = "host") -> Policy:
     """Offload outputs of at least ``nbytes`` and keep smaller ones: moving a small tensor
     costs more in latency than it frees."""
@@ -422,9 +505,11 @@ def offload_larger_than(nbytes: int, tier: str = "host") -> Policy:
     return _reads("output_bytes")(policy)
 
 
+@_factory("must(save_matmuls)")
 def must(policy: Policy) -> Policy:
     """``policy`` with every ``PREFER_*`` made ``MUST_*``, so that outer regions cannot
     override it."""
+    check(policy, "remat.policies.must")
     strong = {d: Decision[d.name.replace("PREFER_", "MUST_")] for d in Decision if not d.must}
 
     def strict(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
