@@ -32,9 +32,9 @@ and their recompute needs no guard. A region's recompute runs unguarded when all
    before its forward pass runs: its tensor arguments and the tensors nested in its other
    arguments; the parameters, buffers and tensor attributes (plain or in a list, tuple or dict)
    of every module among its arguments, the function itself, the ``self`` of a bound method,
-   the arguments of a ``functools.partial``, closure cells, default arguments and the globals
-   the function's code (and each such module's ``forward``) names; and the tensors in any of
-   those places. Every in-place write to a tensor, through any view or alias of it, bumps the
+   the arguments of a ``functools.partial``, closure cells and default arguments; the tensors
+   and modules among the globals the function's code (and each such module's ``forward``)
+   names; and the tensors in lists, tuples and dicts in any of those places. Every in-place write to a tensor, through any view or alias of it, bumps the
    version counter its views share, and nothing else does; so the region wrote one of them
    exactly when one of their versions differs after its forward pass. Fresh tensors the region
    made itself are not listed: writing them again in the recompute is what the recompute is for.
@@ -71,8 +71,9 @@ from ._dispatch import EagerMode
 
 __all__: list[str] = []
 
-# Module attributes that hold what ``Reachable`` reads from elsewhere, or no tensors.
-_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules"})
+# What every module's ``__dict__`` holds besides its own attributes: no tensors but those of
+# ``_parameters`` and ``_buffers``, which ``_visit_module`` reads directly.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 
 
 class Reachable:
@@ -83,7 +84,9 @@ class Reachable:
     def __init__(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> None:
         found: dict[int, torch.Tensor] = {}
         seen: set[int] = set()
-        for value in (*args, *kwargs.values()):
+        for value in args:
+            _visit(value, found, seen, 2)
+        for value in kwargs.values():
             _visit(value, found, seen, 2)
         _visit_function(function, found, seen)
         self.tensors = list(found.values())
@@ -99,26 +102,38 @@ def _visit(value: Any, found: dict[int, torch.Tensor], seen: set[int], depth: in
     if isinstance(value, torch.Tensor):
         found[id(value)] = value
     elif isinstance(value, nn.Module):
-        if id(value) in seen:
-            return
-        for module in value.modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            for name, attribute in module.__dict__.items():
-                if name in _MODULE_INTERNALS:
-                    for t in attribute.values():
-                        if isinstance(t, torch.Tensor):
-                            found[id(t)] = t
-                elif isinstance(attribute, (torch.Tensor, list, tuple, dict)):
-                    _visit(attribute, found, seen, 1)
-            _visit_code(type(module).forward, found, seen)
+        _visit_module(value, found, seen)
     elif depth > 0 and isinstance(value, (list, tuple)):
         for item in value:
             _visit(item, found, seen, depth - 1)
     elif depth > 0 and isinstance(value, dict):
         for item in value.values():
             _visit(item, found, seen, depth - 1)
+
+
+def _visit_module(root: nn.Module, found: dict[int, torch.Tensor], seen: set[int]) -> None:
+    """Parameters, buffers and tensor attributes of ``root`` and its submodules, and what their
+    ``forward`` functions reach."""
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        state = module.__dict__
+        for t in state["_parameters"].values():
+            if t is not None:
+                found[id(t)] = t
+        for t in state["_buffers"].values():
+            if t is not None:
+                found[id(t)] = t
+        stack.extend(m for m in state["_modules"].values() if m is not None)
+        for name, attribute in state.items():
+            if name not in _MODULE_INTERNALS and isinstance(
+                attribute, (torch.Tensor, list, tuple, dict)
+            ):
+                _visit(attribute, found, seen, 1)
+        _visit_code(type(module).forward, found, seen)
 
 
 def _visit_function(function: Any, found: dict[int, torch.Tensor], seen: set[int]) -> None:
@@ -130,14 +145,15 @@ def _visit_function(function: Any, found: dict[int, torch.Tensor], seen: set[int
         _visit(function.__self__, found, seen, 2)
         function = function.__func__
     if isinstance(function, nn.Module):
-        _visit(function, found, seen, 2)
-    elif isinstance(function, types.FunctionType):
+        _visit_module(function, found, seen)
+    else:
         _visit_code(function, found, seen)
 
 
 def _visit_code(function: Any, found: dict[int, torch.Tensor], seen: set[int]) -> None:
-    """The tensors a Python function's closure, defaults and named globals hold."""
-    if not isinstance(function, types.FunctionType) or id(function) in seen:
+    """The tensors a Python function's closure and defaults hold, and the tensors and modules
+    its code names as globals (global containers are left to [ When the guard runs ] 2)."""
+    if type(function) is not types.FunctionType or id(function) in seen:
         return
     seen.add(id(function))
     for cell in function.__closure__ or ():
@@ -148,8 +164,8 @@ def _visit_code(function: Any, found: dict[int, torch.Tensor], seen: set[int]) -
     names = function.__globals__
     for name in function.__code__.co_names:
         value = names.get(name)
-        if isinstance(value, (torch.Tensor, nn.Module, list, tuple, dict)):
-            _visit(value, found, seen, 2)
+        if isinstance(value, (torch.Tensor, nn.Module)):
+            _visit(value, found, seen, 0)
 
 
 # Functions and modules whose first recompute ran guarded: ``True`` if the guard redirected a
