@@ -34,18 +34,20 @@ and their recompute needs no guard. A region's recompute runs unguarded when all
    of every module among its arguments, the function itself, the ``self`` of a bound method,
    the arguments of a ``functools.partial``, closure cells and default arguments; the tensors
    and modules among the globals the function's code (and each such module's ``forward``)
-   names; and the tensors in lists, tuples and dicts in any of those places. Every in-place write to a tensor, through any view or alias of it, bumps the
-   version counter its views share, and nothing else does; so the region wrote one of them
-   exactly when one of their versions differs after its forward pass. Fresh tensors the region
-   made itself are not listed: writing them again in the recompute is what the recompute is for.
+   names; and the tensors in lists, tuples and dicts in any of those places. Every ATen
+   write to a tensor, through any view or ``detach()`` alias of it, bumps the version counter
+   they share; so the region wrote one of them exactly when one of their versions differs
+   after its forward pass. Fresh tensors the region made itself are not listed: writing them
+   again in the recompute is what the recompute is for. (``t.data`` is an alias with a
+   counter of its own: a write through it is one of the hidden writes of 2.)
 2. *The function showed no hidden write.* A tensor reached another way (an attribute of a
-   plain object, a global that a helper function writes) is invisible to 1. So the first
-   recompute of each function (the module, for a module or its bound method) and of each
-   module among the arguments runs guarded anyway, and if the guard redirects a write that 1
-   did not see, they are guarded in every later recompute. A write hidden from 1 is thus never
-   applied twice by a function whose first recompute showed it; a function that hides a write
-   only on some later call (a data-dependent branch) is the case left open, which
-   ``remat.is_recomputing()`` closes.
+   plain object, a global that a helper function writes, a write through ``.data``) is
+   invisible to 1. So the first recompute of each function (the module, for a module or its
+   bound method) and of each module among the arguments runs guarded anyway, and if the guard
+   redirects a write that 1 did not see, they are guarded in every later recompute. A write
+   hidden from 1 is thus never applied twice by a function whose first recompute showed it;
+   a function that hides a write only on some later call (a data-dependent branch) is the
+   case left open, which ``remat.is_recomputing()`` closes.
 3. *The recompute wrote none of the listed tensors either* (checked after it; a recompute that
    writes where its forward did not diverged, and raises).
 
