@@ -211,7 +211,7 @@ class Graph(Replay):
         if type(out) is torch.Tensor and not facts.writes:  # the common case: one new result
             ref = _new_ref((index, 0))
             current[out._cdata] = _new_entry((ref, out._version, weakref.ref(out)))
-            if not decision.recompute:
+            if decision is not _PREFER_RECOMPUTE and decision is not _MUST_RECOMPUTE:
                 node.kept[0] = self.hold(out.detach())
             return out
         # Autograd bumps the version of each written tensor after this returns: bind the
@@ -484,6 +484,8 @@ def _learn(func: torch._ops.OpOverload) -> _OpFacts:
 
 
 _new_ref = functools.partial(tuple.__new__, Ref)  # Ref(node, key) without NamedTuple.__new__
+# ``Decision.recompute`` without its property call, on the per-op path.
+_PREFER_RECOMPUTE, _MUST_RECOMPUTE = Decision.PREFER_RECOMPUTE, Decision.MUST_RECOMPUTE
 _new_entry = functools.partial(tuple.__new__, _Entry)
 
 
