@@ -201,9 +201,11 @@ def test_tracker_peak_matches_resident_memory_of_a_fresh_process() -> None:
     assert abs(tracked - rss) <= 0.10 * rss, (tracked, rss)
 
 
-def test_recording_overhead_is_measured_per_op() -> None:
-    overhead = measure.recording_overhead(get_workload("gpt", "small"), repeats=60)
-    assert 0 < overhead < 10_000  # microseconds per op: positive, and not absurd
+def test_recording_and_replay_overhead_are_measured_per_op() -> None:
+    overhead = measure.engine_overhead(get_workload("gpt", "small"), repeats=60)
+    assert set(overhead) == {"recording_us_per_op", "replay_us_per_op"}
+    # microseconds per op: positive, and not absurd
+    assert all(0 < us < 10_000 for us in overhead.values()), overhead
 
 
 def test_strategies_are_timed_next_to_their_counterparts() -> None:

@@ -481,6 +481,111 @@ def test_buffers_written_in_forward_are_written_once() -> None:
     assert int(wrapped.calls) == 3 and torch.equal(wrapped.hist, plain.hist)
 
 
+# -- when the guard runs (NOTE [ When the guard runs ] in _guard.py) ----------------------------
+
+
+def _modes_in_recompute(fn: Any, steps: int, *inputs: torch.Tensor) -> list[int]:
+    """Run ``steps`` forward+backward passes of ``remat.checkpoint(fn)``; the number of dispatch
+    modes active in each recompute."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes: list[int] = []
+
+    def spy(*args: torch.Tensor) -> torch.Tensor:
+        if remat.is_recomputing():
+            modes.append(len(_get_current_dispatch_mode_stack()))
+        out: torch.Tensor = fn(*args)
+        return out
+
+    for _ in range(steps):
+        remat.checkpoint(spy, *inputs).sum().backward()
+    return modes
+
+
+def test_region_without_writes_recomputes_with_no_dispatch_mode() -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.1), nn.Linear(8, 4))
+    # The first recompute of a function runs guarded, to see whether it hides a write.
+    assert _modes_in_recompute(block, 3, _leaf(2, 4)) == [1, 0, 0]
+    plain = copy.deepcopy(block)
+    wrapped = remat.checkpoint_wrapper(copy.deepcopy(block))
+    batches = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(3)]
+    assert_records_equal(train(plain, batches, F.mse_loss), train(wrapped, batches, F.mse_loss))
+
+
+def test_region_writing_batchnorm_statistics_is_guarded_in_every_recompute() -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    plain = copy.deepcopy(block)
+    assert _modes_in_recompute(block, 3, _leaf(8, 4)) == [1, 1, 1]
+    for _ in range(3):
+        plain(_leaf(8, 4)).sum().backward()
+    assert int(block[1].num_batches_tracked) == int(plain[1].num_batches_tracked) == 3
+
+
+class _Counter:
+    """A plain object: what it holds is out of the cheap check's sight."""
+
+    def __init__(self) -> None:
+        self.calls = torch.zeros(())
+
+
+def test_write_hidden_from_the_version_check_is_guarded() -> None:
+    counter = _Counter()
+    lin = nn.Linear(4, 4)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        counter.calls.add_(1)
+        return lin(x).relu()
+
+    # The first recompute (guarded) finds the hidden write: every later one is guarded too.
+    assert _modes_in_recompute(fn, 3, _leaf(2, 4)) == [1, 1, 1]
+    assert int(counter.calls) == 3
+
+
+def test_closure_tensor_and_plain_module_attribute_writes_are_seen_in_forward() -> None:
+    calls = torch.zeros(())
+
+    class Attribute(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.seen = torch.zeros(())  # an attribute, not a registered buffer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen += 1
+            return self.lin(x).sin()
+
+    module = Attribute()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.add_(1)
+        return x.cos()
+
+    for function in (module, fn):
+        remat.checkpoint(function, _leaf(2, 4)).sum().backward()  # the guarded first recompute
+        # As if that recompute had shown nothing: the forward's own check must see the write.
+        remat._guard.verified(remat._guard.identities(function, ()), False)
+        assert _modes_in_recompute(function, 2, _leaf(2, 4)) == [1, 1]
+    assert int(module.seen) == 3 and int(calls) == 3
+
+
+def test_recompute_writing_what_its_forward_did_not_raises() -> None:
+    buffer = torch.zeros(())
+    write = [False]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if remat.is_recomputing() and write[0]:
+            buffer.add_(1)
+        return x.sin()
+
+    remat.checkpoint(fn, _leaf(3)).sum().backward()  # the guarded first recompute: clean
+    write[0] = True
+    out = remat.checkpoint(fn, _leaf(3)).sum()
+    with pytest.raises(remat.CheckpointError, match="wrote a tensor that outlives it"):
+        out.backward()
+
+
 # -- flags --------------------------------------------------------------------------------------
 
 

@@ -1017,3 +1017,55 @@ def test_explain_on_a_region_block() -> None:
         ("exp", "recompute", "graph engine"),  # sin saves its input, the same tensor
     ]
     assert report.kept_bytes == 0 and report.recomputed_bytes == 3 * 8 * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# H. module names: tracked only for policies that may read ctx.module
+# ---------------------------------------------------------------------------------------------
+
+
+class _HookProbe(nn.Module):
+    """Records how many global module hooks are installed while its forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.modules import module as nn_module
+
+        self.seen.append(
+            len(nn_module._global_forward_pre_hooks) + len(nn_module._global_forward_hooks)
+        )
+        return x.sin()
+
+
+def test_a_policy_deciding_by_op_records_without_module_hooks() -> None:
+    probe = _HookProbe()
+    model = nn.Sequential(nn.Linear(4, 4), probe)
+    remat.checkpoint_wrapper(model, policy=policies.save_matmuls)
+    model(_leaf(2, 4)).sum().backward()
+    assert probe.seen == [0]
+
+
+def _module_reader(seen: list[tuple[str, str]]) -> Any:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        seen.append((ctx.module, op.overloadpacket.__name__))
+        return Decision.PREFER_RECOMPUTE
+
+    return policy
+
+
+def test_a_policy_reading_the_module_gets_its_path_also_inside_a_by_op_region() -> None:
+    torch.manual_seed(0)
+    for outer_policy in (None, policies.save_matmuls):
+        seen: list[tuple[str, str]] = []
+        probe = _HookProbe()
+        model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh(), probe))
+        remat.apply(model, ["1"], policy=_module_reader(seen))
+        if outer_policy is not None:
+            remat.checkpoint_wrapper(model, policy=outer_policy)
+        model(_leaf(2, 4)).sum().backward()
+        assert ("1.1", "tanh") in seen and ("1.2", "sin") in seen
+        assert ("1.0", "addmm") in seen
+        assert probe.seen == [2]  # tracked by hooks while the reading policy is on the stack

@@ -21,19 +21,196 @@ So no class needs a special case: whatever the region wrote in forward, in whate
 written exactly once. The one blind spot: a storage created without any ATen operator (e.g.
 ``torch.from_numpy`` of an array made inside the region) counts as external, so writes to it
 during the recompute are not applied.
+
+NOTE [ When the guard runs ]
+
+The guard is a dispatch mode: it costs Python on every operator of the recompute, as much as the
+kernels of a transformer block of small tensors. Most regions write nothing that outlives them,
+and their recompute needs no guard. A region's recompute runs unguarded when all three hold:
+
+1. *The cheap check saw no write.* :class:`Reachable` lists the tensors the region can reach
+   before its forward pass runs: its tensor arguments and the tensors nested in its other
+   arguments; the parameters, buffers and tensor attributes (plain or in a list, tuple or dict)
+   of every module among its arguments, the function itself, the ``self`` of a bound method,
+   the arguments of a ``functools.partial``, closure cells and default arguments; the tensors
+   and modules among the globals the function's code (and each such module's ``forward``)
+   names; and the tensors in lists, tuples and dicts in any of those places. Every ATen
+   write to a tensor, through any view or ``detach()`` alias of it, bumps the version counter
+   they share; so the region wrote one of them exactly when one of their versions differs
+   after its forward pass. Fresh tensors the region made itself are not listed: writing them
+   again in the recompute is what the recompute is for. (``t.data`` is an alias with a
+   counter of its own: a write through it is one of the hidden writes of 2.)
+2. *The function showed no hidden write.* A tensor reached another way (an attribute of a
+   plain object, a global that a helper function writes, a write through ``.data``) is
+   invisible to 1. So the first recompute of each function (the module, for a module or its
+   bound method) and of each module among the arguments runs guarded anyway, and if the guard
+   redirects a write that 1 did not see, they are guarded in every later recompute. A write
+   hidden from 1 is thus never applied twice by a function whose first recompute showed it;
+   a function that hides a write only on some later call (a data-dependent branch) is the
+   case left open, which ``remat.is_recomputing()`` closes.
+3. *The recompute wrote none of the listed tensors either* (checked after it; a recompute that
+   writes where its forward did not diverged, and raises).
+
+Checking 1 costs one version read per listed tensor per forward pass (a dozen for a transformer
+block), against one Python call per operator of the recompute that it saves.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import types
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from ._aten import op_info
 from ._aten import storage_key as _storage_key
 from ._dispatch import EagerMode
 
 __all__: list[str] = []
+
+# What every module's ``__dict__`` holds besides its own attributes: no tensors but those of
+# ``_parameters`` and ``_buffers``, which ``_visit_module`` reads directly.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+
+
+class Reachable:
+    """The tensors a region can reach and their versions; see [ When the guard runs ] 1."""
+
+    __slots__ = ("tensors", "versions")
+
+    def __init__(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> None:
+        found: dict[int, torch.Tensor] = {}
+        seen: set[int] = set()
+        for value in args:
+            _visit(value, found, seen, 2)
+        for value in kwargs.values():
+            _visit(value, found, seen, 2)
+        _visit_function(function, found, seen)
+        self.tensors = list(found.values())
+        self.versions = [t._version for t in self.tensors]
+
+    def written(self) -> bool:
+        """Whether any listed tensor was written since this object was made."""
+        return any(t._version != v for t, v in zip(self.tensors, self.versions, strict=True))
+
+
+def _visit(value: Any, found: dict[int, torch.Tensor], seen: set[int], depth: int) -> None:
+    """Record the tensors in ``value``: itself, the modules' state, containers ``depth`` deep."""
+    if isinstance(value, torch.Tensor):
+        found[id(value)] = value
+    elif isinstance(value, nn.Module):
+        _visit_module(value, found, seen)
+    elif depth > 0 and isinstance(value, (list, tuple)):
+        for item in value:
+            _visit(item, found, seen, depth - 1)
+    elif depth > 0 and isinstance(value, dict):
+        for item in value.values():
+            _visit(item, found, seen, depth - 1)
+
+
+def _visit_module(root: nn.Module, found: dict[int, torch.Tensor], seen: set[int]) -> None:
+    """Parameters, buffers and tensor attributes of ``root`` and its submodules, and what their
+    ``forward`` functions reach."""
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        state = module.__dict__
+        for t in state["_parameters"].values():
+            if t is not None:
+                found[id(t)] = t
+        for t in state["_buffers"].values():
+            if t is not None:
+                found[id(t)] = t
+        stack.extend(m for m in state["_modules"].values() if m is not None)
+        for name, attribute in state.items():
+            if name not in _MODULE_INTERNALS and isinstance(
+                attribute, (torch.Tensor, list, tuple, dict)
+            ):
+                _visit(attribute, found, seen, 1)
+        _visit_code(type(module).forward, found, seen)
+
+
+def _visit_function(function: Any, found: dict[int, torch.Tensor], seen: set[int]) -> None:
+    if isinstance(function, functools.partial):
+        for value in (*function.args, *function.keywords.values()):
+            _visit(value, found, seen, 2)
+        function = function.func
+    if isinstance(function, types.MethodType):
+        _visit(function.__self__, found, seen, 2)
+        function = function.__func__
+    if isinstance(function, nn.Module):
+        _visit_module(function, found, seen)
+    else:
+        _visit_code(function, found, seen)
+
+
+def _visit_code(function: Any, found: dict[int, torch.Tensor], seen: set[int]) -> None:
+    """The tensors a Python function's closure and defaults hold, and the tensors and modules
+    its code names as globals (global containers are left to [ When the guard runs ] 2)."""
+    if type(function) is not types.FunctionType or id(function) in seen:
+        return
+    seen.add(id(function))
+    for cell in function.__closure__ or ():
+        with contextlib.suppress(ValueError):  # an empty cell raises
+            _visit(cell.cell_contents, found, seen, 2)
+    for value in function.__defaults__ or ():
+        _visit(value, found, seen, 2)
+    names = function.__globals__
+    for name in function.__code__.co_names:
+        value = names.get(name)
+        if isinstance(value, (torch.Tensor, nn.Module)):
+            _visit(value, found, seen, 0)
+
+
+# Functions and modules whose first recompute ran guarded: ``True`` if the guard redirected a
+# write that ``Reachable`` did not see (see [ When the guard runs ] 2).
+_verified: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def identities(function: Any, args: tuple[Any, ...]) -> list[Any]:
+    """What [ When the guard runs ] 2 keys a region on: its function (the module, for a module
+    or its bound method) and the modules among its arguments; ``None`` for what cannot be
+    referenced weakly."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    if isinstance(function, types.MethodType) and isinstance(function.__self__, nn.Module):
+        function = function.__self__
+    keys = [function]
+    for value in args:
+        if isinstance(value, (list, tuple)):
+            keys.extend(v for v in value if isinstance(v, nn.Module))
+        elif isinstance(value, nn.Module):
+            keys.append(value)
+    return [k if _weakly_referenceable(k) else None for k in keys]
+
+
+def _weakly_referenceable(value: Any) -> bool:
+    try:
+        weakref.ref(value)
+    except TypeError:
+        return False
+    return True
+
+
+def needs_guard(keys: list[Any]) -> bool:
+    """Whether a recompute keyed ``keys`` runs guarded though its forward pass wrote nothing it
+    reaches: one of them was never recomputed guarded, or hid a write before."""
+    return any(key is None or _verified.get(key, True) for key in keys)
+
+
+def verified(keys: list[Any], hid_write: bool) -> None:
+    """Remember what a guarded recompute keyed ``keys`` showed."""
+    for key in keys:
+        if key is not None:
+            _verified[key] = _verified.get(key, False) or hid_write
 
 
 class WriteGuard(EagerMode):

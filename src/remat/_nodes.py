@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -89,25 +89,56 @@ class _Held:
     tensor: torch.Tensor
 
 
-@dataclass
 class Node:
-    op: torch._ops.OpOverload
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    module: str
-    decision: Decision
-    writes: tuple[tuple[int, str], ...]
-    # (generator, state before the op) for a random op; the state is None when the op follows
-    # another random op of the replay, ``after``, and starts where that one left the generator.
-    rng: list[tuple[Any, torch.Tensor | None]] | None = None
-    after: int | None = None
-    feeds: bool = False  # a later random op starts where this one leaves the generator
-    kept: dict[Key, Any] = field(default_factory=dict)  # _Held, or Saved when offloaded
-    refs: tuple[Ref, ...] = ()  # every reference among the arguments, repeats included
-    # The result's layout, for an op in ``_BLANK``: its replay allocates that layout directly
-    # (running ``empty_like`` on a meta stand-in goes through torch's Python reference).
-    blank: _Meta | None = None
-    in_attention: bool = False  # ran inside ``scaled_dot_product_attention`` (``OpContext``)
+    """One recorded op. A plain class with slots: one is made per op the region runs."""
+
+    __slots__ = (
+        "after",
+        "args",
+        "blank",
+        "decision",
+        "feeds",
+        "in_attention",
+        "kept",
+        "kwargs",
+        "module",
+        "op",
+        "refs",
+        "rng",
+        "writes",
+    )
+
+    def __init__(
+        self,
+        op: torch._ops.OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        module: str,
+        decision: Decision,
+        writes: tuple[tuple[int, str], ...],
+        rng: list[tuple[Any, torch.Tensor | None]] | None = None,
+        refs: tuple[Ref, ...] = (),
+        in_attention: bool = False,
+    ) -> None:
+        self.op = op
+        self.args = args
+        self.kwargs = kwargs
+        self.module = module
+        self.decision = decision
+        self.writes = writes
+        # (generator, state before the op) for a random op; the state is None when the op
+        # follows another random op of the replay, ``after``, and starts where that one left
+        # the generator.
+        self.rng = rng
+        self.after: int | None = None
+        self.feeds = False  # a later random op starts where this one leaves the generator
+        self.kept: dict[Key, Any] = {}  # _Held, or Saved when offloaded
+        self.refs = refs  # every reference among the arguments, repeats included
+        # The result's layout, for an op in ``_BLANK``: its replay allocates that layout
+        # directly (running ``empty_like`` on a meta stand-in goes through torch's Python
+        # reference).
+        self.blank: _Meta | None = None
+        self.in_attention = in_attention  # ran inside ``scaled_dot_product_attention``
 
 
 class _Packed:

@@ -202,25 +202,37 @@ class Replay:
 
     def _run(self, index: int, node: Node, task: int, cache: dict[Ref, torch.Tensor]) -> None:
         uses = self.uses[task]
-        args, kwargs, out = self._call(index, node, task)
-        results = out if isinstance(out, (tuple, list)) else (out,)
-        for k, result in enumerate(results):
-            if isinstance(result, torch.Tensor):
-                cache[Ref(index, k)] = result
-            elif isinstance(result, (tuple, list)):
-                for j, t in enumerate(result):
-                    cache[Ref(index, ("l", k, j))] = t
-        for position, name in node.writes:
-            target = args[position] if position < len(args) else kwargs.get(name)
-            if isinstance(target, torch.Tensor):
-                cache[Ref(index, ("w", position))] = target
-        for a in node.refs:
-            self._use(a, task)
-        for r in [r for r in cache if r.node == index and uses.get(r, 0) <= 0]:
-            del cache[r]
+        args, kwargs, out = self._call(index, node, task, cache)
+        if type(out) is torch.Tensor and not node.writes:  # the common case: one new result
+            made = [_new_ref((index, 0))]
+            cache[made[0]] = out
+        else:
+            made = []
+            results = out if isinstance(out, (tuple, list)) else (out,)
+            for k, result in enumerate(results):
+                if isinstance(result, torch.Tensor):
+                    made.append(Ref(index, k))
+                    cache[made[-1]] = result
+                elif isinstance(result, (tuple, list)):
+                    for j, t in enumerate(result):
+                        made.append(Ref(index, ("l", k, j)))
+                        cache[made[-1]] = t
+            for position, name in node.writes:
+                target = args[position] if position < len(args) else kwargs.get(name)
+                if isinstance(target, torch.Tensor):
+                    made.append(Ref(index, ("w", position)))
+                    cache[made[-1]] = target
+        for a in node.refs:  # ``_use``, inlined
+            left = uses[a] - 1
+            uses[a] = left
+            if left <= 0:
+                cache.pop(a, None)
+        for r in made:
+            if uses.get(r, 0) <= 0:
+                cache.pop(r, None)
 
     def _call(
-        self, index: int, node: Node, task: int
+        self, index: int, node: Node, task: int, cache: dict[Ref, torch.Tensor]
     ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         """Run ``node``'s op with the generator state it drew from; its resolved arguments (what
         it wrote) and its result."""
@@ -263,12 +275,20 @@ class Replay:
                 return value.tensor.clone() if position in written else value.tensor
             return value
 
-        args = tuple(
-            [
-                resolve_arg(a, i) if isinstance(a, _RECORDED) else _map_recorded(resolve_arg, a)
-                for i, a in enumerate(node.args)
-            ]
-        )
+        nodes = self.nodes
+        resolved: list[Any] = []
+        for i, a in enumerate(node.args):
+            if type(a) is Ref and not node.writes:  # the common case, inlined
+                kept = nodes[a.node].kept.get(a.key)
+                t = kept.tensor if kept is not None else cache.get(a)
+                resolved.append(t if t is not None else resolve_arg(a, i))
+            elif isinstance(a, _RECORDED):
+                resolved.append(resolve_arg(a, i))
+            elif isinstance(a, (tuple, list)):
+                resolved.append(_map_recorded(resolve_arg, a))
+            else:
+                resolved.append(a)
+        args = tuple(resolved)
         if node.args and isinstance(node.args[0], _Meta) and node.kwargs.get("device") is None:
             # The op made its result where its argument lived, not on the meta stand-in.
             node_kwargs_device = {"device": node.args[0].device}
@@ -280,7 +300,7 @@ class Replay:
         }
         states = node.rng
         if states is None:
-            return args, kwargs, node.op(*args, **kwargs, **node_kwargs_device)
+            return args, kwargs, node.op._op(*args, **kwargs, **node_kwargs_device)
         if node.after is not None:
             states = self.rng_after[task].pop(node.after)
         with _replay_rng(states):
@@ -291,6 +311,7 @@ class Replay:
 
 
 _NOTHING_WRITTEN: frozenset[int | str] = frozenset()
+_new_ref = functools.partial(tuple.__new__, Ref)  # Ref(node, key) without NamedTuple.__new__
 
 
 class _Replaying:

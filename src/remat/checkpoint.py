@@ -53,7 +53,7 @@ from torch.utils import _pytree as pytree
 from . import _state
 from ._ambient import Ambient
 from ._dispatch import EagerMode
-from ._guard import WriteGuard
+from ._guard import Reachable, WriteGuard, identities, needs_guard, verified
 from ._types import ContextFn
 from .errors import CheckpointError, RematError, did_you_mean
 from .policies import Policy
@@ -181,6 +181,9 @@ class _Frame:
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.recomputed: dict[int, weakref.WeakKeyDictionary[_Slot, torch.Tensor]] = {}
         self.forward_ops: list[str] | None = [] if debug else None
+        # Whether the forward pass wrote a tensor it can reach: see [ When the guard runs ].
+        self.wrote = True
+        self.keys = identities(function, args)
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -256,13 +259,17 @@ class _Frame:
             return detached
 
         log = _OpLog() if self.forward_ops is not None else None
+        # See NOTE [ When the guard runs ] in _guard.py.
+        guard = WriteGuard() if self.wrote or needs_guard(self.keys) else None
+        reach = Reachable(self.function, args, kwargs) if guard is None else None
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(_state.recomputing())
                 stack.enter_context(self.ambient.replay())
-                stack.enter_context(WriteGuard())
+                if guard is not None:
+                    stack.enter_context(guard)
                 stack.enter_context(self.recompute_context)
                 if log is not None:
                     stack.enter_context(log)
@@ -273,6 +280,14 @@ class _Frame:
             if mismatches:
                 raise CheckpointError(self._mismatch_message(mismatches, count, log)) from error
             raise
+        if guard is not None and not self.wrote:
+            verified(self.keys, guard.redirected > 0)
+        if reach is not None and reach.written():
+            raise CheckpointError(
+                "remat: the recompute of a checkpointed region wrote a tensor that outlives it "
+                "(a parameter, buffer or input), which its forward pass did not write. "
+                + _USUAL_CAUSES
+            )
         if mismatches or count < last_needed + 1:
             raise CheckpointError(self._mismatch_message(mismatches, count, log))
         self.recomputed[task] = store
@@ -551,7 +566,11 @@ def run_region(
         if frame.forward_ops is not None:
             log = stack.enter_context(_OpLog())
             frame.forward_ops = log.ops
+        # Inside a recompute, a guard around this forward pass may hide its writes from the
+        # version counters: then its own recompute is guarded too.
+        reach = Reachable(function, args, kwargs) if not _state.state.recomputing else None
         out = function(*args, **kwargs)
+    frame.wrote = reach is None or reach.written()
     ambient.check_forward_done()
     return out
 

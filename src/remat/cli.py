@@ -165,6 +165,11 @@ def _bench(args: argparse.Namespace) -> int:
             f"graph engine recording overhead: {result.recording_us_per_op:.1f} us per ATen op "
             "(first block of the small size, forward)"
         )
+    if result.replay_us_per_op is not None:
+        print(
+            f"graph engine replay overhead: {result.replay_us_per_op:.1f} us per ATen op "
+            "(first block of the small size, backward)"
+        )
     if result.control_time_ratio is not None and result.control_time_range is not None:
         low, high = result.control_time_range
         print(
@@ -260,9 +265,9 @@ def _run(
         if overhead:
             # On the small size of the workload: the engine's per-op cost, not kernel noise.
             small = {**base, "size": "small", "kind": "overhead"}
-            timing["recording_us_per_op"] = _subprocess(small)["recording_us_per_op"]
+            timing.update(_subprocess(small))
             if lines is not None:
-                lines.done("graph engine recording overhead")
+                lines.done("graph engine recording and replay overhead")
         bar.advance(task)
     plain = memory["none"]["peak_bytes"]
     rows = [
@@ -290,6 +295,7 @@ def _run(
         rows=rows,
         pairwise_time=timing["pairwise"],
         recording_us_per_op=timing.get("recording_us_per_op"),
+        replay_us_per_op=timing.get("replay_us_per_op"),
         allocator=base["allocator"],
         control_time_ratio=timing["control"]["ratio"],
         control_time_range=(timing["control"]["low"], timing["control"]["high"]),

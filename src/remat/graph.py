@@ -33,6 +33,7 @@ tensor ].
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -104,6 +105,7 @@ class Graph(Replay):
         self.cache: dict[int, dict[Ref, torch.Tensor]] = {}
         self.ran: dict[int, set[int]] = {}
         self.modules: list[str] = [""]
+        self.naming = False  # whether module hooks keep ``modules`` (see ``_module_names``)
         self.in_attention = 0
         self.externals: dict[int, list[_External]] = {}
         self._refs: list[Ref] = []
@@ -153,46 +155,65 @@ class Graph(Replay):
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         facts = _FACTS.get(id(func)) or _learn(func)
-        refs = self._refs = []
-        arg = self.arg
-        node_args = _map(arg, args)
-        node_kwargs = {k: _map(arg, v) for k, v in kwargs.items()} if kwargs else {}
-        if facts.metadata_only and isinstance(args[0], torch.Tensor):
-            like = args[0]
-            meta = _Meta(tuple(like.shape), tuple(like.stride()), like.dtype, like.device)
-            node_args = (meta, *node_args[1:])
-            refs = list(_refs_in((node_args, node_kwargs)))
-        # Writes to external tensors run on snapshots, in forward and in replay alike.
-        for position, name in facts.writes:
-            target = args[position] if position < len(args) else kwargs.get(name)
-            if isinstance(target, torch.Tensor):
-                recorded = node_args[position] if position < len(args) else node_kwargs[name]
-                if isinstance(recorded, _External):
-                    snapshot = _Held(target.detach().clone())
-                    # Earlier reads of this state replay from the snapshot (see [ Replay
-                    # identity ] 5), since the live tensor moves on.
-                    for read in self.externals.get(_key(target), ()):
-                        if read.version == target._version and read.snapshot is None:
-                            read.snapshot = snapshot.tensor
-                    if position < len(args):
-                        node_args = (*node_args[:position], snapshot, *node_args[position + 1 :])
-                    else:
-                        node_kwargs = {**node_kwargs, name: snapshot}
+        refs: list[Ref] = []
+        self._refs = refs
+        # The arguments as records (``arg``), with the common case inlined: this loop runs for
+        # every argument of every op the region runs.
+        current = self.current
+        recorded: list[Any] = []
+        for value in args:
+            if isinstance(value, torch.Tensor):
+                entry = current.get(value._cdata)
+                if (
+                    entry is not None
+                    and entry.version == value._version
+                    and entry.tensor() is value
+                ):
+                    value = entry.ref
+                    if type(value) is Ref:
+                        refs.append(value)
                 else:
-                    self._before_write(target)
+                    value = self.arg(value)
+            elif isinstance(value, (tuple, list)):
+                value = _map(self.arg, value)
+            recorded.append(value)
+        node_args = tuple(recorded)
+        node_kwargs = {k: _map(self.arg, v) for k, v in kwargs.items()} if kwargs else {}
+        if facts.special:
+            node_args, node_kwargs, refs = self._special(
+                facts, args, kwargs, node_args, node_kwargs, refs
+            )
         rng = _capture_rng(func, args, kwargs) if facts.random else None
-        out = func(*args, **kwargs)
+        out = func._op(*args, **kwargs)
         index = len(self.nodes)
         module = self.modules[-1]
-        decision = self._decide(func, args, kwargs, out, module, facts.must_save)
-        node = Node(func, node_args, node_kwargs, module, decision, facts.writes, rng)
-        node.in_attention = self.in_attention > 0
-        node.refs = tuple(refs)
+        by_op = self.by_op
+        decision = (
+            by_op.get(id(func))
+            if by_op is not None and facts.must_save is None and len(self.policies) == 1
+            else None
+        )
+        if decision is None:
+            decision = self._decide(func, args, kwargs, out, module, facts.must_save)
+        node = Node(
+            func,
+            node_args,
+            node_kwargs,
+            module,
+            decision,
+            facts.writes,
+            rng,
+            tuple(refs),
+            self.in_attention > 0,
+        )
         if facts.blank and type(out) is torch.Tensor and not kwargs.get("pin_memory"):
             node.blank = _Meta(tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
         self.nodes.append(node)
         if type(out) is torch.Tensor and not facts.writes:  # the common case: one new result
-            self._bind(out, Ref(index, 0), node, False)
+            ref = _new_ref((index, 0))
+            current[out._cdata] = _new_entry((ref, out._version, weakref.ref(out)))
+            if decision is not _PREFER_RECOMPUTE and decision is not _MUST_RECOMPUTE:
+                node.kept[0] = self.hold(out.detach())
             return out
         # Autograd bumps the version of each written tensor after this returns: bind the
         # written states at the version they will have when the next op reads them.
@@ -221,6 +242,41 @@ class Graph(Replay):
             ):
                 self._bind(target, Ref(index, ("w", position)), node, True)
         return out
+
+    def _special(
+        self,
+        facts: _OpFacts,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        node_args: tuple[Any, ...],
+        node_kwargs: dict[str, Any],
+        refs: list[Ref],
+    ) -> tuple[tuple[Any, ...], dict[str, Any], list[Ref]]:
+        """The records of an op that reads an argument's metadata only, or writes one."""
+        if facts.metadata_only and isinstance(args[0], torch.Tensor):
+            like = args[0]
+            meta = _Meta(tuple(like.shape), tuple(like.stride()), like.dtype, like.device)
+            node_args = (meta, *node_args[1:])
+            refs = list(_refs_in((node_args, node_kwargs)))
+        # Writes to external tensors run on snapshots, in forward and in replay alike.
+        for position, name in facts.writes:
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(target, torch.Tensor):
+                recorded = node_args[position] if position < len(args) else node_kwargs[name]
+                if isinstance(recorded, _External):
+                    snapshot = _Held(target.detach().clone())
+                    # Earlier reads of this state replay from the snapshot (see [ Replay
+                    # identity ] 5), since the live tensor moves on.
+                    for read in self.externals.get(_key(target), ()):
+                        if read.version == target._version and read.snapshot is None:
+                            read.snapshot = snapshot.tensor
+                    if position < len(args):
+                        node_args = (*node_args[:position], snapshot, *node_args[position + 1 :])
+                    else:
+                        node_kwargs = {**node_kwargs, name: snapshot}
+                else:
+                    self._before_write(target)
+        return node_args, node_kwargs, refs
 
     def _bind(self, t: torch.Tensor, ref: Ref, node: Node, written: bool) -> None:
         self.current[_key(t)] = _Entry(ref, t._version + written, weakref.ref(t))
@@ -329,11 +385,12 @@ class Graph(Replay):
     # -- packing -------------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> _Packed:
-        entry = self.lookup(t)
-        if entry is not None and entry.version == t._version:
-            packed = _Packed(entry.ref)
-            if isinstance(entry.ref, Ref):
-                self._offload(entry.ref)
+        entry = self.current.get(t._cdata)
+        if entry is not None and entry.version == t._version and entry.tensor() is t:
+            known = entry.ref
+            packed = _Packed(known)
+            if type(known) is Ref and self.nodes[known.node].kept:
+                self._offload(known)
         else:
             self.paused = True
             try:
@@ -363,9 +420,10 @@ class Graph(Replay):
         replayed = set(cone)
         previous: int | None = None  # the last random op, in recording order
         for index, node in enumerate(self.nodes):
-            node.kept = {k: v for k, v in node.kept.items() if Ref(index, k) in reached}
-            for key in list(node.kept):
-                self._offload(Ref(index, key))
+            if node.kept:
+                node.kept = {k: v for k, v in node.kept.items() if Ref(index, k) in reached}
+                for key in list(node.kept):
+                    self._offload(Ref(index, key))
             if index not in replayed:  # never replayed: its arguments and RNG state can go
                 if node.rng is not None:
                     previous = None  # it drew numbers that a replay will not draw
@@ -404,6 +462,7 @@ class _OpFacts(NamedTuple):
     blank: bool
     random: bool
     must_save: str | None
+    special: bool  # metadata_only or writes: recorded by ``Graph._special``
 
 
 # Keyed by ``id(op)``: an OpOverload hashes in Python, an int in C, and this lookup runs per op.
@@ -411,15 +470,24 @@ _FACTS: dict[int, _OpFacts] = {}
 
 
 def _learn(func: torch._ops.OpOverload) -> _OpFacts:
+    writes = op_info(func).writes
+    metadata_only = func.overloadpacket.__name__ in _METADATA_ONLY
     facts = _FACTS[id(func)] = _OpFacts(
         op=func,
-        writes=op_info(func).writes,
-        metadata_only=func.overloadpacket.__name__ in _METADATA_ONLY,
+        writes=writes,
+        metadata_only=metadata_only,
         blank=func.overloadpacket.__name__ in _BLANK,
         random=torch.Tag.nondeterministic_seeded in func.tags,
         must_save=must_save_reason(func),
+        special=metadata_only or bool(writes),
     )
     return facts
+
+
+_new_ref = functools.partial(tuple.__new__, Ref)  # Ref(node, key) without NamedTuple.__new__
+# ``Decision.recompute`` without its property call, on the per-op path.
+_PREFER_RECOMPUTE, _MUST_RECOMPUTE = Decision.PREFER_RECOMPUTE, Decision.MUST_RECOMPUTE
+_new_entry = functools.partial(tuple.__new__, _Entry)
 
 
 def _capture_rng(
@@ -505,9 +573,24 @@ class Recorder(EagerMode):
 
 
 @contextlib.contextmanager
-def _module_names(graph: Graph, names: dict[int, str]) -> Iterator[None]:
-    """Keep ``graph.modules`` as the stack of module names being run, on this thread."""
+def _module_names(
+    graph: Graph, policy: Any, names: dict[int, str] | None, root: str
+) -> Iterator[None]:
+    """Keep ``graph.modules`` as the stack of module names being run, on this thread, while
+    ``policy`` is on the stack, if it may read ``ctx.module`` and no policy below it does.
+
+    A policy that decides by the op alone never reads the module, and the hooks that track it
+    are global: with them, every module call takes ``nn.Module``'s slow path. Ops recorded
+    untracked carry the name of the region's module (``root``): errors and reports name it.
+    """
+    if decides_by_op(policy) or graph.naming:
+        yield
+        return
     thread = threading.get_ident()
+    names = names or {}
+    depth = len(graph.modules)
+    if root:
+        graph.modules.append(root)
 
     def pre(module: torch.nn.Module, args: Any) -> None:
         if threading.get_ident() == thread:
@@ -521,11 +604,14 @@ def _module_names(graph: Graph, names: dict[int, str]) -> Iterator[None]:
         torch.nn.modules.module.register_module_forward_pre_hook(pre),
         torch.nn.modules.module.register_module_forward_hook(post, always_call=True),
     ]
+    graph.naming = True
     try:
         yield
     finally:
+        graph.naming = False
         for h in handles:
             h.remove()
+        del graph.modules[depth:]
 
 
 @contextlib.contextmanager
@@ -548,7 +634,7 @@ def recording(
         # Nested graph regions share the outer recording; their policy joins the stack.
         active.policies.append(policy)
         try:
-            with _attention_scope(active):
+            with _module_names(active, policy, module_names, root), _attention_scope(active):
                 yield
         finally:
             active.policies.pop()
@@ -561,7 +647,7 @@ def recording(
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(graph.pack, graph.unpack))
             stack.enter_context(_state.checkpointing())
-            stack.enter_context(_module_names(graph, module_names or {}))
+            stack.enter_context(_module_names(graph, policy, module_names, ""))
             stack.enter_context(_attention_scope(graph))
             stack.enter_context(Recorder(graph))
             yield

@@ -266,14 +266,35 @@ class _CountOps(EagerMode):
 
 
 def recording_overhead(workload: Workload, repeats: int = 300) -> float:
-    """Microseconds the graph engine adds per op it records, in forward.
+    """Microseconds the graph engine adds per op it records, in forward (see
+    :func:`engine_overhead`)."""
+    return engine_overhead(workload, repeats)["recording_us_per_op"]
+
+
+def engine_overhead(workload: Workload, repeats: int = 300) -> dict[str, float]:
+    """Microseconds the graph engine adds per op it records, in forward, and per op it
+    replays, in backward.
 
     Measured on the first block of the workload's model, called with the input it gets in a
     plain forward: a plain copy and a copy under the graph engine (recompute_everything) run
-    alternately ``repeats`` times, and the difference of their median times is divided by the
-    block's number of ATen ops. Use a small size: with small tensors the ops are short, so the
-    difference is the engine's own work, not noise in the kernels.
+    forward and backward alternately ``repeats`` times, and a plain forward without autograd
+    runs beside them. Recording: the difference of the median forward times. Replay: the
+    graph engine's backward less the plain backward and less the plain forward without
+    autograd (the kernels a replay runs again). Each is divided by the block's number of ATen
+    ops in forward, which a recompute-everything replay runs again. Use a small size: with
+    small tensors the ops are short, so the difference is the engine's own work, not noise in
+    the kernels. Times are the process's CPU time with one intra-op thread: the engine's work
+    is Python on one thread, and CPU time is not inflated by other processes on the machine.
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _engine_overhead(workload, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _engine_overhead(workload: Workload, repeats: int) -> dict[str, float]:
     import copy
 
     from .. import modules, policies
@@ -301,17 +322,31 @@ def recording_overhead(workload: Workload, repeats: int = 300) -> float:
     counter = _CountOps()
     with counter:
         block(*args, **kwargs)
-    plain_s: list[float] = []
-    recorded_s: list[float] = []
+    seconds: dict[str, list[float]] = {k: [] for k in ("fwd", "bwd", "rec", "replay", "bare")}
+
+    def step(module: nn.Module, forward: str, backward: str) -> None:
+        torch.manual_seed(0)
+        start = time.process_time()
+        out = module(*args, **kwargs)
+        middle = time.process_time()
+        out.sum().backward()
+        seconds[forward].append(middle - start)
+        seconds[backward].append(time.process_time() - middle)
+
     for _ in range(repeats):
-        start = time.perf_counter()
-        block(*args, **kwargs)
-        middle = time.perf_counter()
-        recorded(*args, **kwargs)
-        plain_s.append(middle - start)
-        recorded_s.append(time.perf_counter() - middle)
-    extra = statistics.median(recorded_s) - statistics.median(plain_s)
-    return 1e6 * extra / max(counter.count, 1)
+        step(block, "fwd", "bwd")
+        step(recorded, "rec", "replay")
+        with torch.no_grad():
+            torch.manual_seed(0)
+            start = time.process_time()
+            block(*args, **kwargs)
+            seconds["bare"].append(time.process_time() - start)
+    median = {k: statistics.median(v) for k, v in seconds.items()}
+    ops = max(counter.count, 1)
+    return {
+        "recording_us_per_op": 1e6 * (median["rec"] - median["fwd"]) / ops,
+        "replay_us_per_op": 1e6 * (median["replay"] - median["bwd"] - median["bare"]) / ops,
+    }
 
 
 def status_bytes(field: str) -> int:
@@ -374,7 +409,7 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
     if request["kind"] == "memory":
         return memory(workload, request["strategy"], seed, device)
     if request["kind"] == "overhead":
-        return {"recording_us_per_op": recording_overhead(workload)}
+        return engine_overhead(workload)
     if request["kind"] == "rss":
         return rss_and_tracker(workload, request["strategy"], seed)
     return times(workload, list(request["strategies"]), seed, device, int(request["rounds"]))

@@ -43,6 +43,7 @@ class Result:
     rows: list[Row]
     pairwise_time: dict[str, float]
     recording_us_per_op: float | None = None
+    replay_us_per_op: float | None = None  # the graph engine's Python per op it replays
     allocator: str = "cached"  # see ``remat bench --allocator``
     # The plain step against a second plain model timed next to it in every round: the median
     # ratio, and its lowest and highest round (see ``measure.times``).
