@@ -850,7 +850,7 @@ def test_failed_step_and_backward_free_their_files(
     tmp_path: Path, full_disk: dict[str, bool]
 ) -> None:
     """A step (and a backward) that fails on a full disk: while the caller still holds the
-    error, the files are exactly those from before the call (its new copies are gone), and the
+    error, no file is there that was not there before the call (its new copies are gone), and the
     next step succeeds once the disk has room, equal to the plain run."""
     plain = nn.Sequential(*small_modules())
     optimizer = adamw(list(plain.parameters()))
@@ -878,7 +878,9 @@ def test_failed_step_and_backward_free_their_files(
             full_disk["full"] = True
             with pytest.raises(RematError, match="ENOSPC") as failed_step:
                 model.step()
-            assert set(files_in(tmp_path)) == before, "the failed step's copies are left"
+            # A subset, not equality: a file that backward dropped while a prefetch still read
+            # it goes when that read ends, which may fall inside the failed step.
+            assert set(files_in(tmp_path)) <= before, "the failed step's copies are left"
             full_disk["full"] = False
         model.step()
         model.zero_grad()

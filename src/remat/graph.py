@@ -581,9 +581,11 @@ def _module_names(
 
     A policy that decides by the op alone never reads the module, and the hooks that track it
     are global: with them, every module call takes ``nn.Module``'s slow path. Ops recorded
-    untracked carry the name of the region's module (``root``): errors and reports name it.
+    untracked carry the name of the region's module (``root``): errors name it. A report being
+    made (``remat.explain``'s observer) always asks for names: its rows name the module.
     """
-    if decides_by_op(policy) or graph.naming:
+    reported = _state.state.observer is not None
+    if (decides_by_op(policy) and not reported) or graph.naming:
         yield
         return
     thread = threading.get_ident()
