@@ -22,6 +22,9 @@ from .modules import apply as apply
 from .modules import checkpoint_sequential as checkpoint_sequential
 from .modules import checkpoint_wrapper as checkpoint_wrapper
 from .offload_model import OffloadModel as OffloadModel
+from .planning import Plan as Plan
+from .planning import fit as fit
+from .planning import plan as plan
 from .store import offload as offload
 from .track import MemoryReport as MemoryReport
 from .track import MemoryTracker as MemoryTracker
@@ -33,6 +36,7 @@ __all__ = [
     "MemoryReport",
     "MemoryTracker",
     "OffloadModel",
+    "Plan",
     "RematError",
     "SavedTensorReport",
     "apply",
@@ -41,10 +45,12 @@ __all__ = [
     "checkpoint_wrapper",
     "disable_checkpointing",
     "explain",
+    "fit",
     "is_checkpointing",
     "is_recomputing",
     "offload",
     "pipe",
+    "plan",
     "policies",
     "region",
     "store",
