@@ -87,7 +87,7 @@ def _measured_peak(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
     return peak_step_bytes(step, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("budget", ["100%", "60%", "smallest"])
+@pytest.mark.parametrize("budget", ["60%", "smallest"])
 def test_gpt_plans_are_exact_and_fit(budget: str) -> None:
     from remat.planning.planner import solve
 
@@ -170,7 +170,7 @@ def test_budget_texts() -> None:
 def test_plan_file_round_trip(tmp_path: Any) -> None:
     from remat.planning.planner import solve
 
-    model, _, _, profiled = _profiled_gpt()
+    _, _, _, profiled = _profiled_gpt()
     plan = solve(profiled, "60%")
     path = tmp_path / "plan.json"
     plan.save(path)
@@ -196,3 +196,53 @@ def test_a_plan_refuses_another_model(tmp_path: Any) -> None:
         remat.Plan.from_json(json.dumps({"version": 99}))
     with pytest.raises(remat.RematError, match="must be JSON"):
         remat.Plan.from_json("not json")
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 256)
+        self.fc2 = nn.Linear(256, 16)
+        self.drop = nn.Dropout(0.1)
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if self.extra:  # a branch the profiled forward did not take
+            h = torch.sigmoid(h) * h
+        return x + self.drop(self.fc2(h))
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Branchy() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_changed_forward_stays_exact_and_is_reported() -> None:
+    torch.manual_seed(0)
+    model = _Stack().train()
+    x = torch.randn(64, 16)
+    plan = remat.plan(model, x, budget="70%", repeats=0, points=4)
+    assert any(b["option"].startswith("graph") for b in plan.blocks), plan.summary()
+    planned = plan.apply(copy.deepcopy(model))
+    for m in (model, planned):
+        for layer in m.layers:  # type: ignore[union-attr]
+            layer.extra = True
+    batches = [(x, torch.zeros(())), (x, torch.zeros(()))]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return out.square().sum() + target
+
+    expected = train(model, batches, loss_fn)
+    with pytest.warns(UserWarning, match="could not follow .* op"):
+        got = train(planned, batches, loss_fn)
+    assert_records_equal(expected, got)
+    report = plan.report()
+    assert "not in the plan" in report and "aten.sigmoid" in report
+    assert all(p.unfollowed > 0 and p.followed > 0 for p in plan.policies)

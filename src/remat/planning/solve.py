@@ -96,10 +96,15 @@ def solve_block(profile: BlockProfile, cap: int, time_limit: float = 5.0) -> OpC
     cost = np.zeros(2 * m)
     lower = np.zeros(2 * m)
     upper = np.ones(2 * m)
+    # Time in units of replaying every op once; bytes, as a tie-break, in units of keeping
+    # everything, weighted far below any op's replay.
+    total_seconds = sum(ops[n].seconds + REPLAY_OVERHEAD for n in nodes)
+    total_bytes = max(sum(ops[n].bytes for n in nodes), 1)
+    tie = 1e-3 * min(ops[n].seconds + REPLAY_OVERHEAD for n in nodes) / total_seconds
     for n, i in index.items():
         op = ops[n]
-        cost[i] = op.bytes / 2**20 * 1e-6
-        cost[m + i] = op.seconds + REPLAY_OVERHEAD
+        cost[i] = tie * op.bytes / total_bytes
+        cost[m + i] = (op.seconds + REPLAY_OVERHEAD) / total_seconds
         if op.must_save:
             upper[m + i] = 0
         if op.view and not op.must_save:
@@ -125,13 +130,17 @@ def solve_block(profile: BlockProfile, cap: int, time_limit: float = 5.0) -> OpC
         constraints=LinearConstraint(a.tocsr(), lo, hi),
         integrality=np.ones(2 * m),
         bounds=Bounds(lower, upper),
-        options={"time_limit": time_limit, "mip_rel_gap": 1e-4},
+        options={"time_limit": time_limit, "mip_rel_gap": 1e-6},
     )
     if result.x is None:
         return None
     x = np.round(result.x).astype(int)
-    keep = frozenset(nodes[i] for i in range(m) if x[i])
     recompute = frozenset(nodes[i] for i in range(m) if x[m + i] and not x[i])
+    # What is kept and read: saved, or read by a replay (the engine drops the rest at exit).
+    read = {d for n in recompute for d in ops[n].deps}
+    keep = frozenset(
+        nodes[i] for i in range(m) if x[i] and (ops[nodes[i]].saved or nodes[i] in read)
+    )
     gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
     return OpChoice(
         keep=keep,
