@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -110,7 +111,7 @@ def test_pareto_options_trade_bytes_for_time() -> None:
     profile = _random_profile(random.Random(7), 9)
     front = pareto(profile, points=6)
     assert len(front) >= 2
-    for a, b in zip(front, front[1:], strict=False):
+    for a, b in itertools.pairwise(front):
         assert a.seconds <= b.seconds and a.kept_bytes > b.kept_bytes
 
 
