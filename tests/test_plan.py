@@ -246,3 +246,22 @@ def test_a_changed_forward_stays_exact_and_is_reported() -> None:
     report = plan.report()
     assert "not in the plan" in report and "aten.sigmoid" in report
     assert all(p.unfollowed > 0 and p.followed > 0 for p in plan.policies)
+
+
+def test_bench_auto_strategy_reports_its_prediction() -> None:
+    from remat.bench.measure import memory
+    from remat.workloads import get_workload
+
+    workload = get_workload("gpt", "small")
+    got = memory(workload, "remat-auto@50%", 0, torch.device("cpu"))
+    assert got["grads_equal"]
+    assert got["budget_feasible"] == 1.0
+    assert got["peak_bytes"] <= got["budget_bytes"]
+    assert abs(got["predicted_peak_bytes"] - got["peak_bytes"]) <= 0.03 * got["peak_bytes"]
+
+
+def test_bench_budgets_must_be_fractions(capsys: pytest.CaptureFixture[str]) -> None:
+    from remat.cli import main
+
+    assert main(["bench", "--budgets", "0.5,2", "--strategies", "none"]) == 2
+    assert "--budgets takes fractions in (0, 1]" in capsys.readouterr().err

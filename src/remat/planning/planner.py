@@ -274,7 +274,7 @@ def solve(profiled: Profiled, budget: Any) -> Plan:
         )
     chosen = [chain[i][k] for i, k in enumerate(picks)]
     curve = []
-    for fraction in (1.0, 0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05):
+    for fraction in (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.1):
         b = int(plain.peak * fraction)
         p = chain_dp(costs, chain, b)
         if p is not None:

@@ -30,7 +30,7 @@ records). The predicted peak is
 (see ``cost.py``). A DP over blocks in forward order keeps two numbers as state: the prefix
 sum of ``K``, and a reservation ``R`` for the ``L`` of the blocks still to come (any ``R`` at
 the start, each block takes its ``L`` out of it, never below zero), so every constraint reads
-the state. Both axes live on grids (1/4096 and 1/256 of the budget), rounded to the nearest;
+the state. Both axes live on grids (1/4096 and 1/128 of the budget), rounded to the nearest;
 an answer the exact model puts over the budget is solved again on a tighter budget, so what
 the DP returns always fits, and it is the fastest on its grid.
 """
@@ -243,6 +243,9 @@ def chain_dp(
     budget is solved again on a tighter budget, so what is returned always fits."""
     if not blocks:
         return [] if max(costs.head, costs.tail) <= budget else None
+    fastest = [min(range(len(opts)), key=lambda k: opts[k].seconds) for opts in blocks]
+    if chain_peak(costs, [blocks[i][k] for i, k in enumerate(fastest)]) <= budget:
+        return fastest  # nothing to trade: the grid's rounding must not cost time here
     target = budget
     for _ in range(8):
         picks = _chain_dp_grid(costs, blocks, target, budget, grid)
@@ -268,8 +271,8 @@ def _chain_dp_grid(
     size = int(target / unit) + 2
     lefts = max((o.left for opts in blocks for o in opts), default=0)
     # The reservation axis: what blocks after this one leave behind (see [ The chain DP ]).
-    runit = max(budget / 256, 1.0)
-    rsize = min(int(lefts * len(blocks) / runit) + 2, 258) if lefts > 0 else 1
+    runit = max(budget / 128, 1.0)
+    rsize = min(int(lefts * len(blocks) / runit) + 2, 130) if lefts > 0 else 1
     if rsize > 1:
         runit = max(lefts * len(blocks) / (rsize - 2), 1.0)
     if costs.tail > target or target <= 0:
