@@ -150,7 +150,7 @@ def test_chain_dp_matches_brute_force_and_beats_greedy(seed: int) -> None:
     peaks = sorted({chain_peak(costs, [o[0] for o in blocks]), 2000, 3000, 4000})
     for budget in peaks:
         expected = chain_brute_force(costs, blocks, budget)
-        picks = chain_dp(costs, blocks, budget, grid=1 << 14)
+        picks = chain_dp(costs, blocks, budget, grid=1 << 14, rgrid=1 << 10)
         if expected is None:
             assert picks is None
             continue
@@ -171,7 +171,7 @@ def test_greedy_is_worse_than_the_dp_somewhere() -> None:
         rng = random.Random(seed)
         costs, blocks = _random_chain(rng)
         budget = 2500
-        picks = chain_dp(costs, blocks, budget, grid=1 << 14)
+        picks = chain_dp(costs, blocks, budget, grid=1 << 14, rgrid=1 << 10)
         greedy = chain_greedy(costs, blocks, budget)
         if picks is None or greedy is None:
             continue

@@ -31,8 +31,10 @@ class Option:
     kind: str  # "plain", "region" or "graph"
     kept: int  # bytes held from the block's forward to its backward, measured alone
     backward: int  # peak bytes during its backward above the level before its forward
-    seconds: float  # predicted extra seconds of a step (see ``planner._options``)
-    measured_seconds: float | None = None  # measured extra seconds, paired medians
+    seconds: float  # extra seconds of a step by the op model (see ``planner._options``)
+    # Measured extra seconds of one block's forward and backward, paired medians; the chain
+    # uses these where they were measured (``repeats > 0``).
+    measured_seconds: float | None = None
     left: int = 0  # bytes still held after its backward, measured alone
     gap: float = 0.0  # the MILP's relative optimality gap
     decisions: dict[str, str] = field(default_factory=dict)  # op key -> "keep" / "recompute"

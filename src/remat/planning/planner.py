@@ -153,7 +153,8 @@ def _chain(
             ChainOption(
                 kept=max(plain.kept[i] + o.kept - base[t].kept, 0),
                 backward=o.backward,
-                seconds=o.seconds,
+                # Measured (paired medians) where the planner measured, else the op model.
+                seconds=o.measured_seconds if o.measured_seconds is not None else o.seconds,
                 left=max(o.left - base[t].left, 0) if o.kind == "graph" else 0,
             )
             for o in options[t]
@@ -170,7 +171,7 @@ def _smallest(costs: ChainCosts, chain: list[list[ChainOption]]) -> int:
     )
     high = max(high, chain_peak(costs, [opts[0] for opts in chain]))
     low = 0
-    while high - low > max(high // 2000, 1):
+    while high - low > max(high // 500, 1):
         mid = (low + high) // 2
         if chain_dp(costs, chain, mid) is None:
             low = mid

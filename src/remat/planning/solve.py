@@ -30,9 +30,9 @@ records). The predicted peak is
 (see ``cost.py``). A DP over blocks in forward order keeps two numbers as state: the prefix
 sum of ``K``, and a reservation ``R`` for the ``L`` of the blocks still to come (any ``R`` at
 the start, each block takes its ``L`` out of it, never below zero), so every constraint reads
-the state. Both axes live on grids (1/4096 and 1/128 of the budget), rounded to the nearest;
-an answer the exact model puts over the budget is solved again on a tighter budget, so what
-the DP returns always fits, and it is the fastest on its grid.
+the state. Both axes live on grids (1/1024 and 1/64 of the budget by default), rounded to
+the nearest; an answer the exact model puts over the budget is solved again on a tighter
+budget, so what the DP returns always fits, and it is the fastest on its grid.
 """
 
 from __future__ import annotations
@@ -235,7 +235,11 @@ def chain_peak(costs: ChainCosts, options: Sequence[ChainOption]) -> int:
 
 
 def chain_dp(
-    costs: ChainCosts, blocks: Sequence[Sequence[ChainOption]], budget: int, grid: int = 4096
+    costs: ChainCosts,
+    blocks: Sequence[Sequence[ChainOption]],
+    budget: int,
+    grid: int = 1024,
+    rgrid: int = 64,
 ) -> list[int] | None:
     """The fastest assignment (one option index per block) whose predicted peak fits
     ``budget``, or ``None`` (see [ The chain DP ]). The prefix sums live on a grid of
@@ -248,7 +252,7 @@ def chain_dp(
         return fastest  # nothing to trade: the grid's rounding must not cost time here
     target = budget
     for _ in range(8):
-        picks = _chain_dp_grid(costs, blocks, target, budget, grid)
+        picks = _chain_dp_grid(costs, blocks, target, budget, grid, rgrid)
         if picks is None:
             return None
         peak = chain_peak(costs, [blocks[i][k] for i, k in enumerate(picks)])
@@ -264,6 +268,7 @@ def _chain_dp_grid(
     target: int,
     budget: int,
     grid: int,
+    rgrid: int,
 ) -> list[int] | None:
     import numpy as np
 
@@ -271,8 +276,8 @@ def _chain_dp_grid(
     size = int(target / unit) + 2
     lefts = max((o.left for opts in blocks for o in opts), default=0)
     # The reservation axis: what blocks after this one leave behind (see [ The chain DP ]).
-    runit = max(budget / 128, 1.0)
-    rsize = min(int(lefts * len(blocks) / runit) + 2, 130) if lefts > 0 else 1
+    runit = max(budget / rgrid, 1.0)
+    rsize = min(int(lefts * len(blocks) / runit) + 2, rgrid + 2) if lefts > 0 else 1
     if rsize > 1:
         runit = max(lefts * len(blocks) / (rsize - 2), 1.0)
     if costs.tail > target or target <= 0:
