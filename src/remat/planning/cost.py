@@ -25,7 +25,6 @@ block's forward and backward, the option against plain).
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -187,10 +186,6 @@ def measure_seconds(
             a = once(block)
         diffs.append(a - b)
     return max(statistics.median(diffs), 0.0)
-
-
-def copy_block(block: nn.Module) -> nn.Module:
-    return copy.deepcopy(block)
 
 
 @dataclass

@@ -269,17 +269,6 @@ def first_tensor(out: Any) -> torch.Tensor:
     )
 
 
-def run_block(
-    block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], seed: int
-) -> torch.Tensor:
-    """Forward and backward of ``block`` on fresh copies of ``inputs``; returns the output."""
-    args, kwargs = fresh_inputs(inputs)
-    torch.manual_seed(seed)
-    out = first_tensor(block(*args, **kwargs))
-    out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
-    return out
-
-
 def profile_block(
     block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], name: str, repeats: int = 3
 ) -> BlockProfile:
