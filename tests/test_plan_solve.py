@@ -179,3 +179,12 @@ def test_greedy_is_worse_than_the_dp_somewhere() -> None:
         greedy_time = sum(blocks[i][k].seconds for i, k in enumerate(greedy))
         worse += greedy_time > dp_time + 1e-9
     assert worse > 0
+
+
+def test_layers_between_blocks_count_for_the_blocks_after_them() -> None:
+    # A downsampling layer between block 0 and block 1 keeps 40 bytes.
+    costs = ChainCosts(head=0, before=0, tail=0, gaps=(0, 40))
+    option = ChainOption(kept=10, backward=100, seconds=0.0)
+    assert chain_peak(costs, [option, option]) == 40 + 10 + 100
+    assert chain_dp(costs, [[option], [option]], 150) == [0, 0]
+    assert chain_dp(costs, [[option], [option]], 149) is None

@@ -85,10 +85,10 @@ def timeline(step: Callable[[_Marks], Any], device: torch.device) -> Timeline:
             continue
         n = event.nbytes()
         if abs(n) in sizes:
-            if n > 0:
+            if n > 0:  # a name seen before (a block called twice) keeps its first level
                 current = sizes[n]
-                out.levels[current] = live
-                out.peaks[current] = live
+                out.levels.setdefault(current, live)
+                out.peaks[current] = max(out.peaks.get(current, live), live)
                 out.order.append(current)
             continue
         live += n

@@ -147,7 +147,8 @@ def _chain(
     before = max(
         plain.backward_peaks[i] - plain.prefix[i] - base[t].backward for i, t in enumerate(types)
     )
-    costs = ChainCosts(head=plain.head - sum(plain.kept), before=before, tail=plain.tail)
+    gaps = tuple(plain.prefix[i] - sum(plain.kept[:i]) for i in range(len(types)))
+    costs = ChainCosts(head=plain.head - sum(plain.kept), before=before, tail=plain.tail, gaps=gaps)
     chain = [
         [
             ChainOption(
@@ -307,7 +308,12 @@ def solve(profiled: Profiled, budget: Any) -> Plan:
             "chain": "exact DP over the chain of blocks",
             "gap": max(gaps, default=0.0),
             "solve_seconds": profiled.solve_seconds + dp_seconds,
-            "chain_costs": {"head": costs.head, "before": costs.before, "tail": costs.tail},
+            "chain_costs": {
+                "head": costs.head,
+                "before": costs.before,
+                "tail": costs.tail,
+                "gaps": list(costs.gaps),
+            },
         },
         tiers=profiled.tiers,
         bandwidths={},

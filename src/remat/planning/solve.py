@@ -26,7 +26,8 @@ Block i with option o keeps ``K[i][o]`` bytes after its forward, needs ``B[o]`` 
 the level it started at during its backward, and leaves ``L[o]`` bytes held after its backward
 until the whole backward ends (a graph-engine region's kept results live as long as its
 records). The predicted peak is
-``max(H + sum_j K_j, max_i (E + sum_{j<i} K_j + B_i + sum_{j>i} L_j), tail + sum_j L_j)``
+``max(H + sum_j K_j, max_i (E + G_i + sum_{j<i} K_j + B_i + sum_{j>i} L_j), tail + sum_j L_j)``
+(``G_i``: what layers between the blocks before block i keep)
 (see ``cost.py``). A DP over blocks in forward order keeps two numbers as state: the prefix
 sum of ``K``, and a reservation ``R`` for the ``L`` of the blocks still to come (any ``R`` at
 the start, each block takes its ``L`` out of it, never below zero), so every constraint reads
@@ -220,6 +221,12 @@ class ChainCosts:
     head: int  # H: the peak of forward and the head's backward, less the blocks' kept bytes
     before: int  # E: what is live outside the blocks during their backward
     tail: int  # the peak after the first block's backward
+    # Per block: bytes kept by what runs between the blocks before it (a downsampling layer
+    # between stages), on top of ``before``; none when empty.
+    gaps: tuple[int, ...] = ()
+
+    def gap(self, i: int) -> int:
+        return self.gaps[i] if i < len(self.gaps) else 0
 
 
 def chain_peak(costs: ChainCosts, options: Sequence[ChainOption]) -> int:
@@ -227,9 +234,9 @@ def chain_peak(costs: ChainCosts, options: Sequence[ChainOption]) -> int:
     prefix = 0
     left = sum(o.left for o in options)
     peak = costs.tail + left
-    for o in options:
+    for i, o in enumerate(options):
         left -= o.left
-        peak = max(peak, costs.before + prefix + o.backward + left)
+        peak = max(peak, costs.before + costs.gap(i) + prefix + o.backward + left)
         prefix += o.kept
     return max(peak, costs.head + prefix)
 
@@ -288,7 +295,7 @@ def _chain_dp_grid(
     best[0, :] = np.where(costs.tail + reserve <= target, 0.0, inf)
     prefix = (np.arange(size) * unit)[:, None]
     choices: list[Any] = []
-    for options in blocks:
+    for i, options in enumerate(blocks):
         nxt = np.full((size, rsize), inf)
         pick = np.full((size, rsize), -1, dtype=np.int64)
         for k, o in enumerate(options):
@@ -297,7 +304,7 @@ def _chain_dp_grid(
             if step >= size or rstep >= rsize:
                 continue
             after = reserve[None, :] - rstep * runit  # reserved for the blocks after this one
-            allowed = costs.before + prefix + o.backward + after <= target
+            allowed = costs.before + costs.gap(i) + prefix + o.backward + after <= target
             value = np.where(allowed, best + o.seconds, inf)
             src = value[: size - step, rstep:]
             dst = nxt[step:, : rsize - rstep]
