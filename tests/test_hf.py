@@ -215,23 +215,24 @@ def test_hugging_face_checkpointing_already_on_is_refused() -> None:
         remat.hf.enable(model)
 
 
-def test_budget_needs_the_planner(monkeypatch: pytest.MonkeyPatch) -> None:
-    model, inputs = _model("gpt2"), _inputs("gpt2")
-    monkeypatch.delattr(remat, "fit", raising=False)
-    with pytest.raises(remat.RematError, match=r"needs the planner \(remat.fit\)"):
-        remat.hf.enable(model, budget="50%")
-
-    calls: list[tuple[Any, ...]] = []
-
-    def fit(model: nn.Module, example_inputs: Any, **kwargs: Any) -> None:
-        calls.append((model, example_inputs, kwargs))
-
-    loss_fn: Callable[[Any], Any] = lambda out: out.loss  # noqa: E731
-    monkeypatch.setattr(remat, "fit", fit, raising=False)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_budget_is_planned_exact_and_within_it(name: str) -> None:
+    """``budget=`` plans with remat.fit over the model's layers: the step stays bit-equal, it
+    holds less for backward than the plain step, and disable undoes it."""
+    model, inputs = _model(name), _inputs(name)
+    plain = _step(model, inputs)
+    plain_held = _held_for_backward(model, inputs)
     with pytest.raises(remat.RematError, match="pass example_inputs="):
         remat.hf.enable(model, budget="50%")
-    remat.hf.enable(model, budget=2**20, example_inputs=inputs, loss_fn=loss_fn)
-    assert calls == [(model, inputs, {"budget": 2**20, "loss_fn": loss_fn})]
+    loss_fn: Callable[[Any], Any] = lambda out: out.loss  # noqa: E731
+    remat.hf.enable(model, budget="75%", example_inputs=inputs, loss_fn=loss_fn, repeats=1)
+    layers = [m for m in model.modules() if remat.hf.layer_classes(model)[0] is type(m)]
+    assert any(remat.modules.is_wrapped(m) for m in layers)
+    _assert_exact(plain, _step(model, inputs))
+    assert _held_for_backward(model, inputs) < plain_held
+    remat.hf.disable(model)
+    assert not any(remat.modules.is_wrapped(m) for m in layers)
+    _assert_exact(plain, _step(model, inputs))
 
 
 def test_layers_by_name_and_a_deep_copy() -> None:

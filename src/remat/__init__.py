@@ -24,6 +24,9 @@ from .modules import checkpoint_sequential as checkpoint_sequential
 from .modules import checkpoint_wrapper as checkpoint_wrapper
 from .modules import unapply as unapply
 from .offload_model import OffloadModel as OffloadModel
+from .planning import Plan as Plan
+from .planning import fit as fit
+from .planning import plan as plan
 from .store import offload as offload
 from .track import MemoryReport as MemoryReport
 from .track import MemoryTracker as MemoryTracker
@@ -35,6 +38,7 @@ __all__ = [
     "MemoryReport",
     "MemoryTracker",
     "OffloadModel",
+    "Plan",
     "RematError",
     "SavedTensorReport",
     "apply",
@@ -43,11 +47,13 @@ __all__ = [
     "checkpoint_wrapper",
     "disable_checkpointing",
     "explain",
+    "fit",
     "hf",
     "is_checkpointing",
     "is_recomputing",
     "offload",
     "pipe",
+    "plan",
     "policies",
     "region",
     "store",

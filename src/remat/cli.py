@@ -34,6 +34,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--strategies", help="comma-separated strategy names (default: all registered)"
     )
+    bench.add_argument(
+        "--budgets",
+        help="comma-separated memory budgets as fractions of the plain step's activation peak "
+        "(e.g. 0.5,0.25,0.1): adds a remat-auto@50%%-style strategy per budget, planned by "
+        "remat.plan in each measuring process, with its prediction next to the measurement",
+    )
     bench.add_argument("--rounds", type=int, default=7, help="timed rounds (default: 7)")
     bench.add_argument(
         "--processes",
@@ -131,6 +137,7 @@ def _bench(args: argparse.Namespace) -> int:
                 strategies.append(entry.name)
             else:
                 print(f"skipping {entry.name}: it {reason}")
+    strategies += _budgets(args.budgets)
     if args.device not in ("cpu", "cuda"):
         raise RematError(f"remat bench: --device must be cpu or cuda, got {args.device!r}.")
     if args.device == "cuda":
@@ -178,6 +185,12 @@ def _bench(args: argparse.Namespace) -> int:
             f"in {result.processes} timing process{'es' if result.processes > 1 else ''}); time "
             "ratios no farther from 1 than this one are within this run's noise"
         )
+    for r in result.rows:
+        if r.plan_seconds is not None and r.solve_seconds is not None:
+            print(
+                f"{r.strategy}: planned in {r.plan_seconds:.1f} s (solve {r.solve_seconds:.2f} s) "
+                "in the memory process"
+            )
     faults = ", ".join(f"{r.strategy} {r.faults_per_step:,.0f}" for r in result.rows)
     print(f"minor page faults per step ({result.allocator} allocator): {faults}")
     if result.contended_rounds:
@@ -282,6 +295,14 @@ def _run(
             counterpart=_counterpart(s, names),
             counterpart_time_ratio=timing["pairwise"].get(f"{s}/{_counterpart(s, names)}"),
             faults_per_step=timing["faults_per_step"][s],
+            predicted_peak_bytes=memory[s].get("predicted_peak_bytes"),
+            predicted_time_ratio=memory[s].get("predicted_time_ratio"),
+            plan_seconds=memory[s].get("plan_seconds"),
+            solve_seconds=memory[s].get("solve_seconds"),
+            budget_bytes=memory[s].get("budget_bytes"),
+            budget_feasible=(
+                bool(memory[s]["budget_feasible"]) if "budget_feasible" in memory[s] else None
+            ),
         )
         for s in names
     ]
@@ -324,6 +345,27 @@ class _Lines:
         self.count += 1
         elapsed = time.monotonic() - self.start
         print(f"[{self.count}/{self.total}] {what} ({elapsed:.0f} s)", flush=True)
+
+
+def _budgets(text: str | None) -> list[str]:
+    """``remat-auto@...`` strategy names for ``--budgets``."""
+    from .bench.strategies import auto_name
+
+    if not text:
+        return []
+    names = []
+    for part in text.split(","):
+        try:
+            fraction = float(part)
+        except ValueError:
+            fraction = -1.0
+        if not 0.0 < fraction <= 1.0:
+            raise RematError(
+                f"remat bench: --budgets takes fractions in (0, 1] of the plain step's "
+                f"activation peak, separated by commas, e.g. 0.5,0.25,0.1; got {part!r}."
+            )
+        names.append(auto_name(fraction))
+    return names
 
 
 def _counterpart(name: str, names: list[str]) -> str | None:

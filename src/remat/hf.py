@@ -177,25 +177,23 @@ def _fit(
     loss_fn: Callable[..., Any] | None,
     options: dict[str, Any],
 ) -> nn.Module:
-    import remat
+    from .planning import fit
 
-    fit = getattr(remat, "fit", None)
-    if fit is None:
-        raise RematError(
-            f"remat.hf.enable: budget={budget!r} needs the planner (remat.fit), which this "
-            "version of remat does not have; pass policy= (or nothing, for whole-layer "
-            "recompute) instead."
-        )
     if example_inputs is None or loss_fn is None:
         raise RematError(
             "remat.hf.enable: budget= plans from one measured step; pass example_inputs= (the "
             "model's inputs) and loss_fn= (output -> loss) too."
         )
     match = modules._matcher(where, model)
-    for name, m in model.named_modules():
-        if match(name, m):
-            m.register_forward_pre_hook(_drop_cache, with_kwargs=True)
-    fit(model, example_inputs, budget=budget, loss_fn=loss_fn, **options)
+    layers = [name for name, m in model.named_modules() if name and match(name, m)]
+    if not layers:
+        raise RematError(
+            f"remat.hf.enable: no layer of {type(model).__name__} matches {where!r}; pass "
+            "layers= naming the model's repeated layers."
+        )
+    for name in layers:
+        model.get_submodule(name).register_forward_pre_hook(_drop_cache, with_kwargs=True)
+    fit(model, example_inputs, budget=budget, loss_fn=loss_fn, blocks=layers, **options)
     return model
 
 

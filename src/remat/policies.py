@@ -215,9 +215,12 @@ def _reads(*fields: str) -> Callable[[_P], _P]:
 def _fields(policy: Any) -> frozenset[str] | None:
     """What ``policy`` reads, or ``None`` when it is not a built-in that says."""
     try:
-        return _READS.get(policy)
-    except TypeError:  # not weakly referenceable, so not a built-in
-        return None
+        fields = _READS.get(policy)
+    except TypeError:  # not weakly referenceable, so not a built-in function
+        fields = None
+    if fields is None:  # a built-in class of policies (the planner's) says it on the class
+        fields = getattr(type(policy), "_remat_reads", None)
+    return fields
 
 
 def reads_attention(policy: Any) -> bool:

@@ -122,7 +122,9 @@ def memory(workload: Workload, strategy: str, seed: int, device: torch.device) -
         p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
         for p, q in zip(plain.parameters(), model.parameters(), strict=True)
     )
-    return {"peak_bytes": peak, "grads_equal": equal}
+    from .strategies import PREDICTED
+
+    return {"peak_bytes": peak, "grads_equal": equal, **PREDICTED.get(id(model), {})}
 
 
 def _busy_seconds() -> float:

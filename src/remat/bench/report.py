@@ -30,6 +30,14 @@ class Row:
     counterpart: str | None = None
     counterpart_time_ratio: float | None = None
     faults_per_step: float = 0.0  # minor page faults of the process per timed step (median)
+    # A planned strategy's prediction (``remat-auto@...``): peak bytes, time vs none, and the
+    # seconds its plan took in the memory process (profile and solve) and to solve alone.
+    predicted_peak_bytes: float | None = None
+    predicted_time_ratio: float | None = None
+    plan_seconds: float | None = None
+    solve_seconds: float | None = None
+    budget_bytes: float | None = None  # the budget planned for
+    budget_feasible: bool | None = None  # False: below any plan; planned at the smallest
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,13 @@ class Result:
         return asdict(self)
 
 
+def _predicted(row: Row) -> str:
+    if row.predicted_peak_bytes is None or row.predicted_time_ratio is None:
+        return ""
+    note = "" if row.budget_feasible is not False else " (budget below any plan)"
+    return f"{row.predicted_peak_bytes / MIB:,.1f} / {row.predicted_time_ratio:.2f}{note}"
+
+
 def table(result: Result) -> Any:
     """A rich table of the results."""
     from rich.table import Table
@@ -64,7 +79,9 @@ def table(result: Result) -> Any:
         title=f"remat bench: {result.workload} on {result.device}", caption=result.description
     )
     headers = ("strategy", "peak act. MiB", "mem vs none", "step s", "time vs none")
-    for header in (*headers, "time vs torch", "grads equal"):
+    predicted = any(row.predicted_peak_bytes is not None for row in result.rows)
+    extra = ("predicted MiB / time",) if predicted else ()
+    for header in (*headers, *extra, "time vs torch", "grads equal"):
         t.add_column(header, justify="left" if header == "strategy" else "right", no_wrap=True)
     for row in result.rows:
         t.add_row(
@@ -73,6 +90,7 @@ def table(result: Result) -> Any:
             f"{row.memory_ratio:.2f}",
             f"{row.step_seconds:.3f}",
             f"{row.time_ratio:.2f}",
+            *((_predicted(row),) if predicted else ()),
             _vs(row),
             "yes" if row.grads_equal else "NO",
         )
@@ -161,6 +179,20 @@ def write_plot(result: Result, path: Path) -> None:
         zorder=2,
         label="Pareto front",
     )
+    auto = sorted(  # in order of memory: the front as the budget shrinks
+        (r.peak_bytes / MIB, r.step_seconds)
+        for r in result.rows
+        if r.strategy.startswith("remat-auto")
+    )
+    if auto:
+        ax.plot(
+            [p[1] for p in auto],
+            [p[0] for p in auto],
+            color="tab:orange",
+            marker="o",
+            zorder=4,
+            label="remat.plan at each budget",
+        )
     ax.set_xlabel("step time (s, median)")
     ax.set_ylabel("peak activation memory (MiB)")
     ax.set_title(f"remat bench: {result.workload} ({result.device})", fontsize=10)

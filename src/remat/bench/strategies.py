@@ -273,7 +273,68 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
+# ``remat-auto@50%``: the planner at a budget, planned in the process that measures it.
+AUTO = "remat-auto@"
+
+# What each planned model's plan predicted, by ``id(model)``, for the measuring process to
+# report next to what it measured; and each process's profile per workload, solved per budget.
+PREDICTED: dict[int, dict[str, float]] = {}
+_PROFILES: dict[tuple[str, str], Any] = {}
+
+
+def auto_name(budget: float) -> str:
+    """``remat-auto@50%`` for 0.5."""
+    return f"{AUTO}{budget * 100:g}%"
+
+
+def _auto(budget: str) -> Callable[[nn.Module, Workload], None]:
+    def prepare(model: nn.Module, workload: Workload) -> None:
+        import time
+
+        from ..planning.planner import _smallest, profile_model, solve
+
+        inputs, target = workload.batch(0)
+        device = next(model.parameters()).device
+        inputs, target = inputs.to(device), target.to(device)
+        key = (workload.name, workload.size)
+        started = time.perf_counter()
+        if key not in _PROFILES:
+            _PROFILES[key] = profile_model(
+                model,
+                inputs,
+                lambda out: workload.loss_fn(out, target),
+                blocks=[name for name, _ in workload.blocks(model)],
+            )
+        profiled = _PROFILES[key]
+        try:
+            plan = solve(profiled, budget)
+            feasible = 1.0
+        except RematError:
+            # Below what any plan fits: measure the plan at the smallest budget that fits.
+            plan = solve(profiled, _smallest(profiled.costs, profiled.chain))
+            feasible = 0.0
+        plan.apply(model)
+        PREDICTED[id(model)] = {
+            "budget_bytes": float(plan.budget),
+            "budget_feasible": feasible,
+            "predicted_peak_bytes": float(plan.predicted_peak),
+            "predicted_time_ratio": plan.predicted_seconds / max(plan.plain_seconds, 1e-12),
+            "plan_seconds": time.perf_counter() - started,
+            "solve_seconds": float(plan.solver["solve_seconds"]),
+        }
+
+    return prepare
+
+
 def get_strategy(name: str) -> Strategy:
+    if name.startswith(AUTO):
+        budget = name[len(AUTO) :]
+        from ..planning._budget import parse_budget
+
+        parse_budget(budget, 1)  # a malformed budget fails here, with the planner's message
+        return Strategy(
+            name, f"remat.plan at a budget of {budget} of the plain peak", _auto(budget), "none"
+        )
     try:
         return STRATEGIES[name]
     except KeyError:

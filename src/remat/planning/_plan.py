@@ -1,0 +1,221 @@
+"""The ``Plan``: what the planner decided, what it predicted and measured, as versioned JSON.
+
+A plan is data, never code: it is saved as JSON (never pickle), and loading it into a model
+whose fingerprint (class, parameter names and shapes, block paths) differs raises a
+:class:`~remat.RematError` naming the first difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ..errors import RematError
+from ._budget import fmt_bytes
+from .apply import PlanPolicy, apply_option
+
+__all__ = ["Plan"]
+
+VERSION = 1
+
+
+@dataclass
+class Option:
+    """One way to run one block type, with its measured costs (see ``cost.py``)."""
+
+    name: str
+    kind: str  # "plain", "region" or "graph"
+    kept: int  # bytes held from the block's forward to its backward, measured alone
+    backward: int  # peak bytes during its backward above the level before its forward
+    seconds: float  # extra seconds of a step by the op model (see ``planner._options``)
+    # Measured extra seconds of one block's forward and backward, paired medians; the chain
+    # uses these where they were measured (``repeats > 0``).
+    measured_seconds: float | None = None
+    left: int = 0  # bytes still held after its backward, measured alone
+    gap: float = 0.0  # the MILP's relative optimality gap
+    decisions: dict[str, str] = field(default_factory=dict)  # op key -> "keep" / "recompute"
+    # Per saved tensor: {"key", "bytes", "decision", "reason"}.
+    tensors: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """A memory plan for one model: one option per block, and what it predicts.
+
+    Build one with :func:`remat.plan`; ``apply(model)`` sets the model up; ``save`` and
+    ``load`` keep it as JSON; ``summary()`` and ``report()`` explain it.
+    """
+
+    fingerprint: dict[str, Any]
+    budget: int
+    budget_text: str
+    plain_peak: int
+    plain_seconds: float
+    predicted_peak: int
+    predicted_seconds: float
+    blocks: list[dict[str, str]]  # {"path", "type", "option"} in forward order
+    options: dict[str, list[Option]]  # block type -> its options
+    solver: dict[str, Any]
+    tiers: list[str]
+    bandwidths: dict[str, float] = field(default_factory=dict)
+    pareto: list[dict[str, float]] = field(default_factory=list)
+    measured: dict[str, Any] = field(default_factory=dict)
+    version: int = VERSION
+    policies: list[PlanPolicy] = field(default_factory=list, repr=False, compare=False)
+
+    # -- applying ------------------------------------------------------------------------------
+
+    def option(self, block: dict[str, str]) -> Option:
+        for o in self.options[block["type"]]:
+            if o.name == block["option"]:
+                return o
+        raise RematError(
+            f"remat: the plan names option {block['option']!r} for {block['path']}, which its "
+            f"block type {block['type']} lacks; the plan file is damaged. Plan again."
+        )
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Set ``model``'s blocks up as planned, in place; returns ``model``."""
+        check_fingerprint(self.fingerprint, fingerprint(model, [b["path"] for b in self.blocks]))
+        self.policies = []
+        for block in self.blocks:
+            o = self.option(block)
+            policy = apply_option(
+                model.get_submodule(block["path"]), block["path"], o.kind, o.decisions
+            )
+            if policy is not None:
+                self.policies.append(policy)
+        return model
+
+    # -- text ----------------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """Predicted peak and step time against a plain step, and the option of each block."""
+        lines = [
+            f"remat plan: budget {fmt_bytes(self.budget)} ({self.budget_text}) of activation "
+            f"memory; plain step peak {fmt_bytes(self.plain_peak)}",
+            f"  predicted peak {fmt_bytes(self.predicted_peak)} "
+            f"({self.predicted_peak / max(self.plain_peak, 1):.0%} of plain), step time "
+            f"{self.predicted_seconds * 1e3:.1f} ms "
+            f"({self.predicted_seconds / max(self.plain_seconds, 1e-12):.2f}x plain "
+            f"{self.plain_seconds * 1e3:.1f} ms)",
+            f"  solver: {self.solver.get('block', '')}; {self.solver.get('chain', '')}; "
+            f"solve {self.solver.get('solve_seconds', 0.0):.2f} s, profile "
+            f"{self.measured.get('profile_seconds', 0.0):.1f} s; tiers {', '.join(self.tiers)}",
+        ]
+        runs: list[tuple[str, int]] = []
+        for block in self.blocks:
+            label = f"{block['type']}: {block['option']}"
+            if runs and runs[-1][0] == label:
+                runs[-1] = (label, runs[-1][1] + 1)
+            else:
+                runs.append((label, 1))
+        lines.append(
+            "  blocks in forward order: " + ", ".join(f"{n}x {label}" for label, n in runs)
+        )
+        for name, options in self.options.items():
+            lines.append(
+                f"  options of {name} (kept, backward peak: measured; extra time: "
+                "predicted, measured):"
+            )
+            for o in options:
+                recomputed = sum(1 for d in o.decisions.values() if d == "recompute")
+                what = f", {recomputed} ops recomputed" if o.kind == "graph" else ""
+                measured = (
+                    f"{o.measured_seconds * 1e3:8.2f} ms" if o.measured_seconds is not None else "-"
+                )
+                lines.append(
+                    f"    {o.name:<10} {fmt_bytes(o.kept):>12} {fmt_bytes(o.backward):>12} "
+                    f"{o.seconds * 1e3:8.2f} ms {measured}{what}"
+                )
+        return "\n".join(lines)
+
+    def report(self, observed_peak: int | None = None) -> str:
+        """Predicted against observed: the ops each graph-engine block followed and could not
+        follow since ``apply``, and the measured peak when given."""
+        lines = [f"predicted peak {fmt_bytes(self.predicted_peak)}"]
+        if observed_peak is not None:
+            diff = (observed_peak - self.predicted_peak) / max(self.predicted_peak, 1)
+            lines[0] += f", observed {fmt_bytes(observed_peak)} ({diff:+.1%})"
+        for p in self.policies:
+            line = f"  {p.block}: {p.followed} ops followed, {p.unfollowed} not in the plan"
+            if p.unknown:
+                line += f" (kept; first: {p.unknown[0]})"
+            lines.append(line)
+        return "\n".join(lines)
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data.pop("policies")
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RematError(f"remat: a plan file must be JSON, but reading it failed: {e}.") from e
+        if not isinstance(data, dict) or data.get("version") != VERSION:
+            found = data.get("version") if isinstance(data, dict) else type(data).__name__
+            raise RematError(
+                f"remat: expected a plan file of version {VERSION}, found {found!r}; plan again "
+                "with this version of remat."
+            )
+        try:
+            data["options"] = {k: [Option(**o) for o in v] for k, v in data["options"].items()}
+            return cls(**data)
+        except (TypeError, KeyError, AttributeError) as e:
+            raise RematError(f"remat: the plan file is damaged ({e}); plan again.") from e
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+
+def fingerprint(model: nn.Module, blocks: list[str]) -> dict[str, Any]:
+    """What a plan must find again in the model it is applied to."""
+    return {
+        "model": type(model).__qualname__,
+        "parameters": [[n, list(p.shape)] for n, p in model.named_parameters()],
+        "blocks": [[b, type(model.get_submodule(b)).__qualname__] for b in blocks]
+        if all(_has(model, b) for b in blocks)
+        else [[b, "?"] for b in blocks],
+    }
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def check_fingerprint(planned: dict[str, Any], found: dict[str, Any]) -> None:
+    if planned == found:
+        return
+    if planned.get("model") != found.get("model"):
+        what = f"a {planned.get('model')}, got a {found.get('model')}"
+    elif planned.get("blocks") != found.get("blocks"):
+        what = f"blocks {planned.get('blocks')}, got {found.get('blocks')}"
+    else:
+        a = {n: s for n, s in planned.get("parameters", [])}
+        b = {n: s for n, s in found.get("parameters", [])}
+        diff = sorted(set(a) ^ set(b)) or sorted(n for n in a if a[n] != b.get(n))
+        name = diff[0] if diff else "?"
+        what = f"parameter {name} as {a.get(name)}, got {b.get(name)}"
+    raise RematError(
+        f"remat: this plan was made for another model: expected {what}. Plan this model with "
+        "remat.plan(model, ...)."
+    )

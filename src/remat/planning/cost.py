@@ -1,0 +1,293 @@
+"""The cost model, calibrated by measurement: what each option of a block holds and needs,
+and what the chain of blocks peaks at.
+
+NOTE [ Measured memory ]
+
+Memory is measured, not assumed: on CPU by the allocator events of ``torch.profiler``
+(``profile_memory=True``; see ``bench/measure.py``), on CUDA by the allocator's counters.
+Points in time are marked by allocating and freeing a byte tensor of a size no real tensor has
+(``_Marks``): the running sum just before a marker's allocation is the live memory there.
+
+1. One block alone, per option: ``kept`` is the memory live after its forward (its output
+   and what it holds for backward), ``backward`` the peak during its backward (with the
+   output's gradient), both above the level before its forward.
+2. The whole plain step, with markers at each block's forward start and end and at the
+   start of each block's backward: the plain step's peak, each block's kept bytes in the chain,
+   the peak of each block's backward, the peak before the last block's backward starts
+   (forward and the head) and after the first block's backward (the tail).
+
+The chain model is then ``peak = max(H + sum_j K_j, max_i (E + sum_{j<i} K_j + B_i), tail)``
+with ``K_j = K_chain_j + kept(o_j) - kept(plain)`` and ``B_i = backward(o_i)``; ``H``, ``E``
+and ``tail`` come from the plain step, so that the model reproduces the plain step's peak.
+Time is the plain step plus, per block, the measured extra of its option (paired medians of one
+block's forward and backward, the option against plain).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .profile import first_tensor, fresh_inputs
+
+__all__: list[str] = []
+
+_MARK = 1_000_003  # an odd byte count; marker k allocates _MARK + 2 * k bytes
+
+
+class _Marks:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.names: list[str] = []
+
+    def __call__(self, name: str) -> None:
+        size = _MARK + 2 * len(self.names)
+        self.names.append(name)
+        if self.device.type == "cuda":
+            return
+        marker = torch.empty(size, dtype=torch.uint8, device=self.device)
+        del marker
+
+
+@dataclass
+class Timeline:
+    """Live bytes at each mark and the peak from each mark to the next, above the start."""
+
+    levels: dict[str, int] = field(default_factory=dict)
+    peaks: dict[str, int] = field(default_factory=dict)  # from the mark to the next one
+    order: list[str] = field(default_factory=list)
+    peak: int = 0
+
+
+def timeline(step: Callable[[_Marks], Any], device: torch.device) -> Timeline:
+    """Run ``step(mark)`` under the CPU allocator's event log (see [ Measured memory ])."""
+    from torch._C._autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    marks = _Marks(device)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(marks)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    sizes = {_MARK + 2 * k: name for k, name in enumerate(marks.names)}
+    out = Timeline()
+    live = 0
+    current: str | None = None
+    for event in events:
+        if event.device_type() != DeviceType.CPU:
+            continue
+        n = event.nbytes()
+        if abs(n) in sizes:
+            if n > 0:  # a name seen before (a block called twice) keeps its first level
+                current = sizes[n]
+                out.levels.setdefault(current, live)
+                out.peaks[current] = max(out.peaks.get(current, live), live)
+                out.order.append(current)
+            continue
+        live += n
+        out.peak = max(out.peak, live)
+        if current is not None:
+            out.peaks[current] = max(out.peaks[current], live)
+    return out
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One option of one block type, measured alone (see [ Measured memory ] 1)."""
+
+    kept: int
+    backward: int
+    seconds: float  # extra seconds of a forward and backward over the plain block
+
+
+def measure_memory(
+    block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], device: torch.device
+) -> tuple[int, int, int]:
+    """(kept, backward, left) bytes of ``block`` as it is set up (a warm-up run first): held
+    after forward, the peak in backward, and what is still held after its backward, inside the
+    same backward (beyond the output, its gradient and the input's gradient), each above the
+    level before forward. ``left`` may be negative: a plain block frees its input. The block
+    reads its inputs as results of an op, as in a chain, not as leaves: a graph engine holds
+    such inputs, and what it replayed, until the backward ends."""
+    sizes: list[int] = []
+
+    def run(mark: _Marks | None) -> None:
+        leaves = fresh_inputs(inputs)
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t * 1 if t.requires_grad else t, leaves
+        )
+        tracked = [
+            t for t in pytree.tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        torch.manual_seed(0)
+        if mark is not None:
+            mark("start")
+        out = first_tensor(block(*args, **kwargs))
+        del args, kwargs
+        if mark is not None:
+            mark("forward")
+        grad = torch.ones_like(out)
+        if tracked and mark is not None:
+
+            def done(g: torch.Tensor) -> None:
+                mark("inputs")
+                sizes.append(g.untyped_storage().nbytes())
+
+            tracked[0].register_hook(done)  # type: ignore[no-untyped-call]
+        out.backward(grad)  # type: ignore[no-untyped-call]
+        if mark is not None:
+            mark("end")
+        sizes.append(out.untyped_storage().nbytes() + grad.untyped_storage().nbytes())
+        del out, grad
+
+    run(None)
+    line = timeline(run, device)
+    start = line.levels["start"]
+    left = 0
+    if "inputs" in line.levels:
+        left = line.levels["inputs"] - start - sum(sizes)
+    backward = max(line.peaks["forward"], line.peaks.get("inputs", 0)) - start
+    return line.levels["forward"] - start, backward, left
+
+
+def measure_seconds(
+    block: nn.Module,
+    plain: nn.Module,
+    inputs: tuple[tuple[Any, ...], dict[str, Any]],
+    repeats: int = 5,
+) -> float:
+    """Median extra seconds of ``block``'s forward and backward over ``plain``'s, in pairs
+    that alternate which runs first."""
+
+    def once(m: nn.Module) -> float:
+        args, kwargs = fresh_inputs(inputs)
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        out = first_tensor(m(*args, **kwargs))
+        out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
+        return time.perf_counter() - start
+
+    once(block)
+    once(plain)
+    diffs = []
+    for r in range(repeats):
+        if r % 2:
+            a = once(block)
+            b = once(plain)
+        else:
+            b = once(plain)
+            a = once(block)
+        diffs.append(a - b)
+    return max(statistics.median(diffs), 0.0)
+
+
+@dataclass
+class PlainStep:
+    """The whole plain step, measured (see [ Measured memory ] 2)."""
+
+    peak: int
+    kept: list[int]  # each block's kept bytes in the chain
+    backward_peaks: list[int]  # each block's backward peak, above the step's start
+    prefix: list[int]  # live bytes before each block's forward, above the first one's
+    head: int  # the peak before the last block's backward starts
+    tail: int  # the peak after the first block's backward
+    seconds: float
+
+
+def measure_plain_step(
+    model: nn.Module,
+    paths: list[str],
+    step: Callable[[], Any],
+    device: torch.device,
+    repeats: int = 3,
+) -> PlainStep:
+    """Mark each block's forward and backward in one plain step and measure them."""
+    modules = [model.get_submodule(p) for p in paths]
+    marks: list[_Marks] = []
+    handles = []
+
+    def pre(i: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if marks:
+                marks[0](f"fs{i}")
+
+        return hook
+
+    def post(i: int) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if not marks:
+                return
+            marks[0](f"fe{i}")
+            t = first_tensor(out)
+
+            def grad_hook(g: torch.Tensor) -> None:
+                if marks:
+                    marks[0](f"bs{i}")
+
+            t.register_hook(grad_hook)  # type: ignore[no-untyped-call]
+
+        return hook
+
+    for i, m in enumerate(modules):
+        handles.append(m.register_forward_pre_hook(pre(i)))
+        handles.append(m.register_forward_hook(post(i)))
+
+    def run(mark: _Marks) -> None:
+        marks.append(mark)
+        try:
+            step()
+        finally:
+            marks.clear()
+
+    try:
+        step()
+        zero_grads(model)
+        line = timeline(run, device)
+    finally:
+        for h in handles:
+            h.remove()
+    n = len(paths)
+    base = 0
+    level0 = line.levels[f"fs{0}"]
+    kept = [line.levels[f"fe{i}"] - line.levels[f"fs{i}"] for i in range(n)]
+    prefix = [line.levels[f"fs{i}"] - level0 for i in range(n)]
+    order = line.order
+    # Backward segments run from one block's bs mark to the next mark in order.
+    backward_peaks = []
+    for i in range(n):
+        backward_peaks.append(line.peaks[f"bs{i}"] - base)
+    head = max(line.peaks[name] for name in order[: order.index(f"bs{n - 1}")])
+    head = max(head, line.levels[f"bs{n - 1}"])
+    # Before the first mark: the part of forward before the first block.
+    head = max(head, level0)
+    tail_marks = order[order.index(f"bs{0}") + 1 :]
+    tail = max((line.peaks[name] for name in tail_marks), default=0)
+    seconds = []
+    for _ in range(repeats):
+        zero_grads(model)
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    zero_grads(model)
+    return PlainStep(
+        peak=line.peak,
+        kept=kept,
+        backward_peaks=backward_peaks,
+        prefix=prefix,
+        head=head,
+        tail=tail,
+        seconds=statistics.median(seconds),
+    )
+
+
+def zero_grads(model: nn.Module) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()

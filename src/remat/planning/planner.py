@@ -1,0 +1,378 @@
+"""``remat.plan`` and ``remat.fit``: profile, measure, solve, and hand back a :class:`Plan`.
+
+The steps, each in its own module: find the blocks and capture their inputs
+(``profile.py``), measure the plain step and each block type's options (``cost.py``), solve
+per block type for a Pareto set of per-op options and over the chain for the budget
+(``solve.py``), and write it all down (``_plan.py``). Planning leaves the model as it found
+it: parameters, gradients, buffers (BatchNorm statistics) and the random generators.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import RematError
+from ._budget import fmt_bytes, parse_budget
+from ._plan import Option, Plan, fingerprint
+from .apply import apply_option
+from .cost import PlainStep, measure_memory, measure_plain_step, measure_seconds
+from .profile import BlockProfile, capture, find_blocks, profile_block
+from .solve import RECORD_OVERHEAD, ChainCosts, ChainOption, OpChoice, chain_dp, chain_peak, pareto
+
+__all__ = ["fit", "plan"]
+
+_TIERS = ("recompute", "host", "disk")
+
+
+def _step(
+    model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None
+) -> Callable[[], Any]:
+    args = inputs if isinstance(inputs, tuple) else () if isinstance(inputs, dict) else (inputs,)
+    kwargs = inputs if isinstance(inputs, dict) else {}
+
+    def step() -> None:
+        torch.manual_seed(0)
+        # The output is not held during backward, as in a training loop that keeps the loss.
+        out = model(*args, **kwargs)
+        loss = loss_fn(out) if loss_fn is not None else out.sum()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise RematError(
+                "remat.plan: loss_fn must return a one-element tensor, got "
+                f"{type(loss).__name__}; pass loss_fn=lambda out: criterion(out, target)."
+            )
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    return step
+
+
+def _tiers(tiers: Sequence[str] | None, device: torch.device) -> list[str]:
+    if tiers is None:
+        return ["recompute"]
+    chosen = list(tiers)
+    bad = [t for t in chosen if t not in _TIERS]
+    if bad or not chosen:
+        raise RematError(f"remat.plan: tiers must name some of {', '.join(_TIERS)}, got {tiers!r}.")
+    if any(t != "recompute" for t in chosen):
+        raise RematError(
+            f"remat.plan: tiers={chosen!r}: the planner plans recompute only so far; offload by "
+            "hand with remat.offload or remat.policies.offload_* and plan with "
+            "tiers=['recompute']."
+        )
+    return chosen
+
+
+def _decisions(
+    profile: BlockProfile, choice: OpChoice
+) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    decisions: dict[str, str] = {}
+    tensors: list[dict[str, Any]] = []
+    for i, op in enumerate(profile.ops):
+        decision = "keep" if i in choice.keep else "recompute"
+        decisions[op.key] = decision
+        if op.saved:
+            if op.must_save:
+                reason = "must be saved (cannot be replayed safely)"
+            elif op.view:
+                reason = "a view: rebuilt from its base"
+            elif decision == "keep":
+                reason = "kept: rebuilding it costs more than its bytes are worth here"
+            else:
+                reason = f"recomputed: {op.seconds * 1e6:.0f} us to rebuild"
+            tensors.append(
+                {"key": op.key, "bytes": op.bytes, "decision": decision, "reason": reason}
+            )
+    return decisions, tensors
+
+
+def _options(
+    block: nn.Module,
+    inputs: Any,
+    profile: BlockProfile,
+    device: torch.device,
+    points: int,
+    repeats: int,
+) -> tuple[list[Option], float]:
+    """The options of one block type, each measured on a copy of ``block``; the solve time."""
+    start = time.perf_counter()
+    front = pareto(profile, points=points)
+    solve_seconds = time.perf_counter() - start
+    plain = copy.deepcopy(block)
+    candidates: list[tuple[str, str, dict[str, str], list[dict[str, Any]], float, float]] = [
+        ("plain", "plain", {}, [], 0.0, 0.0),
+        ("region", "region", {}, [], profile.forward_seconds, 0.0),
+        # The graph engine records every op in forward, and replays what it must.
+    ]
+    for k, choice in enumerate(front):
+        decisions, tensors = _decisions(profile, choice)
+        seconds = choice.seconds + RECORD_OVERHEAD * len(profile.ops)
+        candidates.append((f"graph-{k}", "graph", decisions, tensors, seconds, choice.gap))
+    options: list[Option] = []
+    for name, kind, decisions, tensors, predicted, gap in candidates:
+        copy_ = copy.deepcopy(block)
+        apply_option(copy_, name, kind, decisions)
+        kept, backward, left = measure_memory(copy_, inputs, device)
+        measured = None
+        if repeats > 0:
+            measured = 0.0 if kind == "plain" else measure_seconds(copy_, plain, inputs, repeats)
+        options.append(
+            Option(name, kind, kept, backward, predicted, measured, left, gap, decisions, tensors)
+        )
+    # Drop options another option beats on every count.
+    kept_options = [
+        o
+        for o in options
+        if o.kind == "plain"
+        or not any(
+            p is not o
+            and p.kept <= o.kept
+            and p.backward <= o.backward
+            and p.seconds <= o.seconds
+            and p.left <= o.left
+            and (p.kept, p.backward, p.seconds, p.left) != (o.kept, o.backward, o.seconds, o.left)
+            for p in options
+        )
+    ]
+    return kept_options, solve_seconds
+
+
+def _chain(
+    plain: PlainStep, types: list[str], options: dict[str, list[Option]]
+) -> tuple[ChainCosts, list[list[ChainOption]]]:
+    base = {name: next(o for o in opts if o.kind == "plain") for name, opts in options.items()}
+    before = max(
+        plain.backward_peaks[i] - plain.prefix[i] - base[t].backward for i, t in enumerate(types)
+    )
+    gaps = tuple(plain.prefix[i] - sum(plain.kept[:i]) for i in range(len(types)))
+    costs = ChainCosts(head=plain.head - sum(plain.kept), before=before, tail=plain.tail, gaps=gaps)
+    chain = [
+        [
+            ChainOption(
+                kept=max(plain.kept[i] + o.kept - base[t].kept, 0),
+                backward=o.backward,
+                # Measured (paired medians) where the planner measured, else the op model.
+                seconds=o.measured_seconds if o.measured_seconds is not None else o.seconds,
+                left=max(o.left - base[t].left, 0) if o.kind == "graph" else 0,
+            )
+            for o in options[t]
+        ]
+        for i, t in enumerate(types)
+    ]
+    return costs, chain
+
+
+def _smallest(costs: ChainCosts, chain: list[list[ChainOption]]) -> int:
+    """The smallest budget the chain DP can meet: bisection on feasibility."""
+    high = max(
+        chain_peak(costs, [min(opts, key=lambda o: o.kept + o.backward) for opts in chain]), 1
+    )
+    high = max(high, chain_peak(costs, [opts[0] for opts in chain]))
+    low = 0
+    while high - low > max(high // 500, 1):
+        mid = (low + high) // 2
+        if chain_dp(costs, chain, mid) is None:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+@dataclass
+class Profiled:
+    """Everything measured about one model for planning: solve it for any budget."""
+
+    paths: list[str]
+    types: list[str]
+    plain: PlainStep
+    options: dict[str, list[Option]]
+    fingerprint: dict[str, Any]
+    tiers: list[str]
+    solve_seconds: float
+    profile_seconds: float
+    costs: ChainCosts = field(init=False)
+    chain: list[list[ChainOption]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.costs, self.chain = _chain(self.plain, self.types, self.options)
+
+
+def profile_model(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    blocks: Any = None,
+    tiers: Sequence[str] | None = None,
+    points: int = 8,
+    repeats: int = 5,
+) -> Profiled:
+    """Measure ``model``'s plain step and each block type's options (see ``cost.py``)."""
+    if not isinstance(model, nn.Module):
+        raise RematError(f"remat.plan: expected an nn.Module, got {type(model).__name__}.")
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    chosen_tiers = _tiers(tiers, device)
+    paths = find_blocks(model, blocks)
+    started = time.perf_counter()
+    # Planning leaves the model as it found it.
+    rng = torch.get_rng_state()
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    grads = {
+        n: (p.grad.detach().clone() if p.grad is not None else None)
+        for n, p in model.named_parameters()
+    }
+    try:
+        step = _step(model, example_inputs, loss_fn)
+        found = capture(model, paths, step)
+        plain = measure_plain_step(model, paths, step, device, repeats=max(repeats // 2, 1))
+        options: dict[str, list[Option]] = {}
+        solve_seconds = 0.0
+        for t in dict.fromkeys(found.types):
+            path = paths[found.types.index(t)]
+            block = model.get_submodule(path)
+            profile = profile_block(block, found.inputs[path], t, repeats=max(repeats // 2, 1))
+            options[t], seconds = _options(
+                block, found.inputs[path], profile, device, points, repeats
+            )
+            solve_seconds += seconds
+    finally:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+        for n, p in model.named_parameters():
+            p.grad = grads.get(n)
+    return Profiled(
+        paths=paths,
+        types=found.types,
+        plain=plain,
+        options=options,
+        fingerprint=fingerprint(model, paths),
+        tiers=chosen_tiers,
+        solve_seconds=solve_seconds,
+        profile_seconds=time.perf_counter() - started,
+    )
+
+
+def solve(profiled: Profiled, budget: Any) -> Plan:
+    """The fastest plan for ``budget`` from what ``profiled`` measured."""
+    plain, costs, chain, options = profiled.plain, profiled.costs, profiled.chain, profiled.options
+    budget_bytes = parse_budget(budget, plain.peak)
+    start = time.perf_counter()
+    picks = chain_dp(costs, chain, budget_bytes)
+    dp_seconds = time.perf_counter() - start
+    if picks is None:
+        smallest = _smallest(costs, chain)
+        raise RematError(
+            f"remat.plan: no plan fits a budget of {fmt_bytes(budget_bytes)} ({budget!r}); the "
+            f"smallest that fits is {fmt_bytes(smallest)} ({smallest} bytes, "
+            f"{smallest / max(plain.peak, 1):.0%} of the plain step's "
+            f"{fmt_bytes(plain.peak)}). Raise the budget."
+        )
+    chosen = [chain[i][k] for i, k in enumerate(picks)]
+    curve = []
+    for fraction in (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.1):
+        b = int(plain.peak * fraction)
+        p = chain_dp(costs, chain, b)
+        if p is not None:
+            opts = [chain[i][k] for i, k in enumerate(p)]
+            curve.append(
+                {
+                    "budget": float(b),
+                    "peak": float(chain_peak(costs, opts)),
+                    "seconds": plain.seconds + sum(o.seconds for o in opts),
+                }
+            )
+    text = budget if isinstance(budget, str) else repr(budget)
+    gaps = [o.gap for opts in options.values() for o in opts]
+    return Plan(
+        fingerprint=profiled.fingerprint,
+        budget=budget_bytes,
+        budget_text=text,
+        plain_peak=plain.peak,
+        plain_seconds=plain.seconds,
+        predicted_peak=chain_peak(costs, chosen),
+        predicted_seconds=plain.seconds + sum(o.seconds for o in chosen),
+        blocks=[
+            {"path": p, "type": t, "option": options[t][k].name}
+            for p, t, k in zip(profiled.paths, profiled.types, picks, strict=True)
+        ],
+        options=options,
+        solver={
+            "block": "HiGHS MILP (scipy.optimize.milp) per block type",
+            "chain": "exact DP over the chain of blocks",
+            "gap": max(gaps, default=0.0),
+            "solve_seconds": profiled.solve_seconds + dp_seconds,
+            "chain_costs": {
+                "head": costs.head,
+                "before": costs.before,
+                "tail": costs.tail,
+                "gaps": list(costs.gaps),
+            },
+        },
+        tiers=profiled.tiers,
+        bandwidths={},
+        pareto=curve,
+        measured={
+            "profile_seconds": profiled.profile_seconds,
+            "plain_kept": plain.kept,
+            "plain_backward_peaks": plain.backward_peaks,
+        },
+    )
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    budget: Any = "50%",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    blocks: Any = None,
+    tiers: Sequence[str] | None = None,
+    points: int = 8,
+    repeats: int = 5,
+) -> Plan:
+    """The fastest plan whose predicted peak activation memory fits ``budget``.
+
+    Args:
+        model: the model, in the mode it trains in (``model.train()``).
+        example_inputs: one step's inputs: a tensor, a tuple of positional inputs, or a dict
+            of keyword inputs (a Hugging Face batch).
+        budget: activation memory (the step's peak above parameters, gradients and optimizer
+            state): a fraction of the plain step's (``"50%"``, ``0.5``) or bytes
+            (``600 * 2**20``, ``"1.5GiB"``).
+        loss_fn: ``loss_fn(output) -> scalar``; by default the sum of the output.
+        blocks: the repeated blocks, as submodule paths or a module class; by default the
+            children of the largest ``nn.ModuleList``/``nn.Sequential`` of one class.
+        tiers: what the plan may use; ``["recompute"]`` (the default) so far.
+        points: caps swept per block type for the per-op options.
+        repeats: timing repeats (medians) per measured option.
+
+    Raises :class:`~remat.RematError` for a malformed budget, and for one no plan fits,
+    naming the smallest budget that fits.
+    """
+    parse_budget(budget, 1)  # a malformed budget fails before any work
+    profiled = profile_model(
+        model, example_inputs, loss_fn, blocks=blocks, tiers=tiers, points=points, repeats=repeats
+    )
+    return solve(profiled, budget)
+
+
+def fit(
+    model: nn.Module,
+    example_inputs: Any,
+    budget: Any = "50%",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    **options: Any,
+) -> Plan:
+    """:func:`plan`, then ``Plan.apply(model)``; returns the plan."""
+    result = plan(model, example_inputs, budget, loss_fn, **options)
+    result.apply(model)
+    return result

@@ -1,0 +1,313 @@
+"""Profile a model for planning: its repeated blocks, and each block type's recorded ops.
+
+A *block* is one of the repeated submodules of the model (a transformer's layers): the
+children of the largest ``nn.ModuleList`` or ``nn.Sequential`` whose children share a class,
+or the modules the user names with ``blocks=``. Blocks with the same class, parameter shapes
+and input shapes form one *block type*, profiled and solved once.
+
+A block type is profiled by running one block (a copy, so that the model's buffers and random
+state stay as they are) as a graph-engine region whose policy keeps everything and writes down
+what the engine sees: each ATen op with its module path, its occurrence within that module's
+call, its output bytes (a view holds its whole storage), the earlier ops it reads, and whether
+autograd saves its output. A second, plain run of the block times each op (median of repeats).
+
+NOTE [ Op keys ]
+
+A decision is keyed ``module|op|occurrence``: the module path relative to the block (the
+block itself is its class name), the op's overload name, and how many times that op ran in that
+module before, within one call of the block. Keys never use a global op counter, so a forward
+that runs another branch or other shapes still finds its decisions for the ops it shares with
+the profiled one, and the ops it does not share are simply kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .. import _state
+from .._aten import op_info
+from .._dispatch import EagerMode
+from ..errors import RematError
+from ..modules import checkpoint_wrapper
+from ..policies import Decision, OpContext, must_save_reason
+
+__all__: list[str] = []
+
+
+@dataclass
+class OpRecord:
+    """One recorded op of a block: see [ Op keys ]."""
+
+    key: str
+    bytes: int
+    saved: bool
+    deps: tuple[int, ...]
+    must_save: bool
+    view: bool = False  # its results alias its arguments: rebuilt for free, never kept
+    seconds: float = 0.0
+
+
+@dataclass
+class BlockProfile:
+    """What one block type does in forward, as the graph engine records it."""
+
+    name: str  # the block type: its class name and a signature number
+    ops: list[OpRecord]
+    forward_seconds: float = 0.0
+
+
+@dataclass
+class Blocks:
+    """The blocks of a model in forward order, with their captured inputs and types."""
+
+    paths: list[str]
+    types: list[str]
+    inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
+
+
+def op_key(module: str, op: Any, occurrence: int) -> str:
+    return f"{module}|{op}|{occurrence}"
+
+
+class KeyCounter:
+    """Occurrence numbers of ``(module, op)`` pairs within one call of a block."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, Any], int] = {}
+
+    def reset(self) -> None:
+        self.counts = {}
+
+    def key(self, module: str, op: Any) -> str:
+        n = self.counts.get((module, op), 0)
+        self.counts[(module, op)] = n + 1
+        return op_key(module, op, n)
+
+
+# -- finding the blocks ------------------------------------------------------------------------
+
+
+def _signature(module: nn.Module) -> tuple[Any, ...]:
+    return (
+        type(module).__qualname__,
+        tuple((n, tuple(p.shape)) for n, p in module.named_parameters()),
+    )
+
+
+def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
+    """The paths of the model's blocks: those named, or the children of the largest container
+    of same-class modules."""
+    names = dict(model.named_modules())
+    if blocks is not None:
+        if isinstance(blocks, type):
+            found = [n for n, m in names.items() if isinstance(m, blocks) and n]
+            found = [n for n in found if not any(n.startswith(o + ".") for o in found)]
+        else:
+            found = list(blocks)
+            missing = [n for n in found if not isinstance(n, str) or n not in names or not n]
+            if missing:
+                raise RematError(
+                    f"remat.plan: blocks= names {missing[0]!r}, which is not a submodule of "
+                    f"{type(model).__name__}; give submodule paths such as 'layers.0', or a "
+                    "module class."
+                )
+        if not found:
+            raise RematError(
+                f"remat.plan: blocks={blocks!r} matches no submodule of {type(model).__name__}; "
+                "give submodule paths such as 'layers.0', or a module class."
+            )
+        return found
+    best: list[str] = []
+    best_size = 0
+    for name, module in names.items():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.named_children())
+        if len(children) < 2:
+            continue
+        classes = {type(c) for _, c in children}
+        if len(classes) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters()) + len(children)
+        if size > best_size:
+            prefix = f"{name}." if name else ""
+            best, best_size = [prefix + n for n, _ in children], size
+    if not best:
+        raise RematError(
+            f"remat.plan: found no repeated blocks in {type(model).__name__} (an nn.ModuleList "
+            "or nn.Sequential of modules of one class); name them with blocks=['layers.0', ...] "
+            "or blocks=BlockClass."
+        )
+    return best
+
+
+def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Blocks:
+    """Run ``step`` once (forward and backward) and capture each block's inputs; blocks whose
+    parameters and input shapes agree get one type name."""
+    names = dict(model.named_modules())
+    found = Blocks(paths=list(paths), types=[])
+    handles = []
+
+    def hook(path: str) -> Any:
+        def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if path not in found.inputs:
+                found.inputs[path] = pytree.tree_map_only(
+                    torch.Tensor,
+                    lambda t: t.detach().clone().requires_grad_(t.requires_grad),
+                    (args, kwargs),
+                )
+
+        return pre
+
+    for path in paths:
+        handles.append(names[path].register_forward_pre_hook(hook(path), with_kwargs=True))
+    try:
+        step()
+    finally:
+        for h in handles:
+            h.remove()
+    signatures: dict[Any, str] = {}
+    for path in paths:
+        if path not in found.inputs:
+            raise RematError(
+                f"remat.plan: block {path!r} did not run in the example step; give blocks= "
+                "that the forward calls."
+            )
+        shapes = tuple(
+            (tuple(t.shape), t.dtype, t.requires_grad)
+            for t in pytree.tree_leaves(found.inputs[path])
+            if isinstance(t, torch.Tensor)
+        )
+        sig = (_signature(names[path]), shapes)
+        if sig not in signatures:
+            signatures[sig] = f"{type(names[path]).__name__}#{len(signatures)}"
+        found.types.append(signatures[sig])
+    return found
+
+
+# -- recording one block -------------------------------------------------------------------------
+
+
+class _Observer:
+    """A keep-everything policy that writes down what the graph engine records."""
+
+    def __init__(self) -> None:
+        self.counter = KeyCounter()
+        self.graph: Any = None
+        self.ops: list[OpRecord] = []
+
+    def __call__(self, ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        if ctx.tags:
+            return Decision.PREFER_SAVE
+        graph = _state.state.graph
+        self.graph = graph
+        deps: set[int] = set()
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and graph is not None:
+                entry = graph.lookup(t)
+                ref = getattr(entry, "ref", None)
+                node = getattr(ref, "node", None)
+                if isinstance(node, int):
+                    deps.add(node)
+        self.ops.append(
+            OpRecord(
+                key=self.counter.key(ctx.module, op),
+                bytes=int(ctx.output_bytes or 0),
+                saved=False,
+                deps=tuple(sorted(deps)),
+                must_save=must_save_reason(op) is not None,
+                view=not op_info(op).any_fresh,
+            )
+        )
+        return Decision.PREFER_SAVE
+
+
+class _Timer(EagerMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: list[float] = []
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.seconds.append(time.perf_counter() - start)
+        return out
+
+
+def fresh_inputs(
+    inputs: tuple[tuple[Any, ...], dict[str, Any]],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """New leaf copies of a block's captured inputs."""
+    out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), inputs
+    )
+    return out
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    for t in pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return t
+    raise RematError(
+        "remat.plan: a block returned no tensor that requires grad; blocks must be on the "
+        "path from parameters to the loss."
+    )
+
+
+def profile_block(
+    block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], name: str, repeats: int = 3
+) -> BlockProfile:
+    """Record ``block``'s ops under the graph engine and time them in plain runs."""
+    observed = copy.deepcopy(block)
+    observer = _Observer()
+    checkpoint_wrapper(observed, policy=observer)
+    args, kwargs = fresh_inputs(inputs)
+    torch.manual_seed(0)
+    out = first_tensor(observed(*args, **kwargs))
+    graph = observer.graph
+    if graph is not None:
+        for packed in graph.packed:
+            p = packed()
+            node = getattr(getattr(p, "ref", None), "node", None)
+            if isinstance(node, int) and node < len(observer.ops):
+                observer.ops[node].saved = True
+    del out
+    ops = observer.ops
+    plain = copy.deepcopy(block)
+    runs: list[list[float]] = []
+    totals: list[float] = []
+    for _ in range(repeats):
+        args, kwargs = fresh_inputs(inputs)
+        torch.manual_seed(0)
+        timer = _Timer()
+        with torch.no_grad(), timer:
+            plain(*args, **kwargs)
+        runs.append(timer.seconds)
+        # What the region engine's recompute costs: the forward with autograd recording.
+        args, kwargs = fresh_inputs(inputs)
+        start = time.perf_counter()
+        plain(*args, **kwargs)
+        totals.append(time.perf_counter() - start)
+    if all(len(r) == len(ops) for r in runs):
+        for i, op in enumerate(ops):
+            op.seconds = statistics.median(r[i] for r in runs)
+    else:  # the plain run dispatches other ops than the recording: share its time evenly
+        share = statistics.median(totals) / max(len(ops), 1)
+        for op in ops:
+            op.seconds = share
+    return BlockProfile(name=name, ops=ops, forward_seconds=statistics.median(totals))

@@ -1,0 +1,369 @@
+"""Solvers: per block type, a MILP over its saved tensors gives a Pareto set of options; over
+the chain of blocks, an exact dynamic program picks one option per block under the budget. A
+greedy knapsack is the baseline the tests compare both against.
+
+NOTE [ The block MILP ]
+
+For the ops of one block (``BlockProfile.ops``), binaries ``k_i`` (the engine keeps op i's
+result) and ``r_i`` (backward recomputes it):
+
+1. a result autograd saves is kept or recomputed: ``k_i + r_i >= 1``;
+2. recomputing a result needs each recorded argument kept or recomputed too:
+   ``k_j + r_j >= r_i`` for every op j it reads (so a dropped tensor whose inputs are dropped
+   costs their recompute as well, once: the engine caches a replayed result while a pending
+   saved tensor needs it);
+3. ops that must be saved (``must_save_reason``) are never recomputed: ``r_i = 0``; views
+   (results aliasing an argument) are never kept: ``k_i = 0``, their replay is free of memory;
+4. kept bytes ``sum b_i k_i <= cap``.
+
+The objective is the recompute time ``sum (t_i + overhead) r_i``, plus a tie-break of a
+millionth of a second per MiB kept so that among equally fast options the smaller one wins.
+Solving for a sweep of caps gives the Pareto set of (kept bytes, recompute time).
+
+NOTE [ The chain DP ]
+
+Block i with option o keeps ``K[i][o]`` bytes after its forward, needs ``B[o]`` bytes above
+the level it started at during its backward, and leaves ``L[o]`` bytes held after its backward
+until the whole backward ends (a graph-engine region's kept results live as long as its
+records). The predicted peak is
+``max(H + sum_j K_j, max_i (E + G_i + sum_{j<i} K_j + B_i + sum_{j>i} L_j), tail + sum_j L_j)``
+(``G_i``: what layers between the blocks before block i keep)
+(see ``cost.py``). A DP over blocks in forward order keeps two numbers as state: the prefix
+sum of ``K``, and a reservation ``R`` for the ``L`` of the blocks still to come (any ``R`` at
+the start, each block takes its ``L`` out of it, never below zero), so every constraint reads
+the state. Both axes live on grids (1/1024 and 1/64 of the budget by default), rounded to
+the nearest; an answer the exact model puts over the budget is solved again on a tighter
+budget, so what the DP returns always fits, and it is the fastest on its grid.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import RematError
+from .profile import BlockProfile
+
+__all__: list[str] = []
+
+REPLAY_OVERHEAD = 25e-6  # seconds the graph engine spends per replayed op besides the kernel
+RECORD_OVERHEAD = 20e-6  # seconds it spends recording one op in forward
+
+
+@dataclass(frozen=True)
+class OpChoice:
+    """One solution of the block MILP."""
+
+    keep: frozenset[int]
+    recompute: frozenset[int]
+    kept_bytes: int
+    seconds: float
+    gap: float  # the solver's relative optimality gap
+
+
+def _relevant(profile: BlockProfile) -> list[int]:
+    """Ops whose results backward may need: saved ones and everything they read."""
+    needed: set[int] = set()
+    stack = [i for i, op in enumerate(profile.ops) if op.saved]
+    while stack:
+        i = stack.pop()
+        if i in needed:
+            continue
+        needed.add(i)
+        stack.extend(j for j in profile.ops[i].deps if j < len(profile.ops))
+    return sorted(needed)
+
+
+def solve_block(profile: BlockProfile, cap: int, time_limit: float = 5.0) -> OpChoice | None:
+    """The fastest keep/recompute choice for ``profile`` keeping at most ``cap`` bytes, by
+    HiGHS; ``None`` when no choice fits (see [ The block MILP ])."""
+    try:
+        import numpy as np
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import lil_matrix
+    except ImportError as e:  # pragma: no cover - scipy is a dependency of the planner
+        raise RematError(
+            "remat.plan: the planner needs scipy (for its HiGHS MILP solver); pip install scipy."
+        ) from e
+    nodes = _relevant(profile)
+    if not nodes:
+        return OpChoice(frozenset(), frozenset(), 0, 0.0, 0.0)
+    index = {n: i for i, n in enumerate(nodes)}
+    m = len(nodes)
+    ops = profile.ops
+    cost = np.zeros(2 * m)
+    lower = np.zeros(2 * m)
+    upper = np.ones(2 * m)
+    # Time in units of replaying every op once; bytes, as a tie-break, in units of keeping
+    # everything, weighted far below any op's replay.
+    total_seconds = sum(ops[n].seconds + REPLAY_OVERHEAD for n in nodes)
+    total_bytes = max(sum(ops[n].bytes for n in nodes), 1)
+    tie = 1e-3 * min(ops[n].seconds + REPLAY_OVERHEAD for n in nodes) / total_seconds
+    for n, i in index.items():
+        op = ops[n]
+        cost[i] = tie * op.bytes / total_bytes
+        cost[m + i] = (op.seconds + REPLAY_OVERHEAD) / total_seconds
+        if op.must_save:
+            upper[m + i] = 0
+        if op.view and not op.must_save:
+            upper[i] = 0
+    rows: list[tuple[dict[int, float], float, float]] = []
+    for n, i in index.items():
+        op = ops[n]
+        if op.saved:
+            rows.append(({i: 1.0, m + i: 1.0}, 1.0, math.inf))
+        for d in op.deps:
+            j = index[d]
+            rows.append(({j: 1.0, m + j: 1.0, m + i: -1.0}, 0.0, math.inf))
+    rows.append(({i: float(ops[n].bytes) for n, i in index.items()}, -math.inf, float(cap)))
+    a = lil_matrix((len(rows), 2 * m))
+    lo = np.empty(len(rows))
+    hi = np.empty(len(rows))
+    for r, (coefs, low, high) in enumerate(rows):
+        for c, v in coefs.items():
+            a[r, c] += v
+        lo[r], hi[r] = low, high
+    result = milp(
+        cost,
+        constraints=LinearConstraint(a.tocsr(), lo, hi),
+        integrality=np.ones(2 * m),
+        bounds=Bounds(lower, upper),
+        options={"time_limit": time_limit, "mip_rel_gap": 1e-6},
+    )
+    if result.x is None:
+        return None
+    x = np.round(result.x).astype(int)
+    recompute = frozenset(nodes[i] for i in range(m) if x[m + i] and not x[i])
+    # What is kept and read: saved, or read by a replay (the engine drops the rest at exit).
+    read = {d for n in recompute for d in ops[n].deps}
+    keep = frozenset(
+        nodes[i] for i in range(m) if x[i] and (ops[nodes[i]].saved or nodes[i] in read)
+    )
+    gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
+    return OpChoice(
+        keep=keep,
+        recompute=recompute,
+        kept_bytes=sum(ops[n].bytes for n in keep),
+        seconds=sum(ops[n].seconds + REPLAY_OVERHEAD for n in recompute),
+        gap=gap,
+    )
+
+
+def pareto(profile: BlockProfile, points: int = 8, time_limit: float = 5.0) -> list[OpChoice]:
+    """Block MILP solutions for a sweep of caps, fastest first, without dominated ones."""
+    total = sum(op.bytes for op in profile.ops if op.saved and not op.view)
+    found: dict[frozenset[int], OpChoice] = {}
+    for k in range(points):
+        cap = int(total * (1 - k / (points - 1))) if points > 1 else total
+        choice = solve_block(profile, cap, time_limit)
+        if choice is not None:
+            found.setdefault(choice.keep, choice)
+    choices = sorted(found.values(), key=lambda c: (c.seconds, c.kept_bytes))
+    front: list[OpChoice] = []
+    for c in choices:
+        if not front or c.kept_bytes < front[-1].kept_bytes:
+            front.append(c)
+    return front
+
+
+def brute_force_block(profile: BlockProfile, cap: int) -> float | None:
+    """The MILP's optimum by enumeration, for tiny graphs in tests: minimal recompute time."""
+    nodes = _relevant(profile)
+    ops = profile.ops
+    best: float | None = None
+    for keep_bits in itertools.product((0, 1), repeat=len(nodes)):
+        keep = {n for n, b in zip(nodes, keep_bits, strict=True) if b}
+        if any(ops[n].view and not ops[n].must_save for n in keep):
+            continue
+        if sum(ops[n].bytes for n in keep) > cap:
+            continue
+        # Recompute what is needed and not kept, transitively.
+        recompute: set[int] = set()
+        stack = [n for n in nodes if ops[n].saved and n not in keep]
+        ok = True
+        while stack:
+            n = stack.pop()
+            if n in recompute:
+                continue
+            if ops[n].must_save:
+                ok = False
+                break
+            recompute.add(n)
+            stack.extend(d for d in ops[n].deps if d not in keep)
+        if not ok:
+            continue
+        seconds = sum(ops[n].seconds + REPLAY_OVERHEAD for n in recompute)
+        if best is None or seconds < best - 1e-12:
+            best = seconds
+    return best
+
+
+# -- the chain ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChainOption:
+    """One option for one block of the chain, as the chain sees it."""
+
+    kept: int  # bytes held after the block's forward until its backward
+    backward: int  # bytes needed during its backward above the level before its forward
+    seconds: float  # step time added over a plain block
+    left: int = 0  # bytes still held after its backward, until the step's backward ends
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    """The chain model's constants (see ``cost.ChainModel``)."""
+
+    head: int  # H: the peak of forward and the head's backward, less the blocks' kept bytes
+    before: int  # E: what is live outside the blocks during their backward
+    tail: int  # the peak after the first block's backward
+    # Per block: bytes kept by what runs between the blocks before it (a downsampling layer
+    # between stages), on top of ``before``; none when empty.
+    gaps: tuple[int, ...] = ()
+
+    def gap(self, i: int) -> int:
+        return self.gaps[i] if i < len(self.gaps) else 0
+
+
+def chain_peak(costs: ChainCosts, options: Sequence[ChainOption]) -> int:
+    """The predicted peak of one assignment (see [ The chain DP ])."""
+    prefix = 0
+    left = sum(o.left for o in options)
+    peak = costs.tail + left
+    for i, o in enumerate(options):
+        left -= o.left
+        peak = max(peak, costs.before + costs.gap(i) + prefix + o.backward + left)
+        prefix += o.kept
+    return max(peak, costs.head + prefix)
+
+
+def chain_dp(
+    costs: ChainCosts,
+    blocks: Sequence[Sequence[ChainOption]],
+    budget: int,
+    grid: int = 1024,
+    rgrid: int = 64,
+) -> list[int] | None:
+    """The fastest assignment (one option index per block) whose predicted peak fits
+    ``budget``, or ``None`` (see [ The chain DP ]). The prefix sums live on a grid of
+    ``budget / grid`` bytes, rounded to the nearest; an answer the exact model puts over the
+    budget is solved again on a tighter budget, so what is returned always fits."""
+    if not blocks:
+        return [] if max(costs.head, costs.tail) <= budget else None
+    fastest = [min(range(len(opts)), key=lambda k: opts[k].seconds) for opts in blocks]
+    if chain_peak(costs, [blocks[i][k] for i, k in enumerate(fastest)]) <= budget:
+        return fastest  # nothing to trade: the grid's rounding must not cost time here
+    target = budget
+    for _ in range(8):
+        picks = _chain_dp_grid(costs, blocks, target, budget, grid, rgrid)
+        if picks is None:
+            return None
+        peak = chain_peak(costs, [blocks[i][k] for i, k in enumerate(picks)])
+        if peak <= budget:
+            return picks
+        target -= max(peak - budget, budget // grid)
+    return None
+
+
+def _chain_dp_grid(
+    costs: ChainCosts,
+    blocks: Sequence[Sequence[ChainOption]],
+    target: int,
+    budget: int,
+    grid: int,
+    rgrid: int,
+) -> list[int] | None:
+    import numpy as np
+
+    unit = max(budget / grid, 1.0)
+    size = int(target / unit) + 2
+    lefts = max((o.left for opts in blocks for o in opts), default=0)
+    # The reservation axis: what blocks after this one leave behind (see [ The chain DP ]).
+    runit = max(budget / rgrid, 1.0)
+    rsize = min(int(lefts * len(blocks) / runit) + 2, rgrid + 2) if lefts > 0 else 1
+    if rsize > 1:
+        runit = max(lefts * len(blocks) / (rsize - 2), 1.0)
+    if costs.tail > target or target <= 0:
+        return None
+    inf = math.inf
+    best = np.full((size, rsize), inf)
+    reserve = np.arange(rsize) * runit
+    best[0, :] = np.where(costs.tail + reserve <= target, 0.0, inf)
+    prefix = (np.arange(size) * unit)[:, None]
+    choices: list[Any] = []
+    for i, options in enumerate(blocks):
+        nxt = np.full((size, rsize), inf)
+        pick = np.full((size, rsize), -1, dtype=np.int64)
+        for k, o in enumerate(options):
+            step = round(o.kept / unit)
+            rstep = round(o.left / runit) if rsize > 1 else 0
+            if step >= size or rstep >= rsize:
+                continue
+            after = reserve[None, :] - rstep * runit  # reserved for the blocks after this one
+            allowed = costs.before + costs.gap(i) + prefix + o.backward + after <= target
+            value = np.where(allowed, best + o.seconds, inf)
+            src = value[: size - step, rstep:]
+            dst = nxt[step:, : rsize - rstep]
+            better = src < dst
+            dst[better] = src[better]
+            pick[step:, : rsize - rstep][better] = k
+        choices.append(pick)
+        best = nxt
+    final = np.where(costs.head + prefix <= target, best, inf)
+    end = np.unravel_index(int(np.argmin(final)), final.shape)
+    if not math.isfinite(final[end]):
+        return None
+    picks: list[int] = []
+    p, r = int(end[0]), int(end[1])
+    for options, pick in zip(reversed(blocks), reversed(choices), strict=True):
+        k = int(pick[p, r])
+        picks.append(k)
+        p -= round(options[k].kept / unit)
+        r += round(options[k].left / runit) if rsize > 1 else 0
+    return picks[::-1]
+
+
+def chain_brute_force(
+    costs: ChainCosts, blocks: Sequence[Sequence[ChainOption]], budget: int
+) -> float | None:
+    """The fastest feasible assignment's time by enumeration (tests only)."""
+    best: float | None = None
+    for combo in itertools.product(*blocks):
+        if chain_peak(costs, combo) <= budget:
+            t = sum(o.seconds for o in combo)
+            best = t if best is None else min(best, t)
+    return best
+
+
+def chain_greedy(
+    costs: ChainCosts, blocks: Sequence[Sequence[ChainOption]], budget: int
+) -> list[int] | None:
+    """The baseline: start from each block's fastest option and repeatedly take the change
+    that saves the most peak bytes per second added, until the chain fits."""
+    picks = [min(range(len(opts)), key=lambda k: opts[k].seconds) for opts in blocks]
+
+    def peak(p: list[int]) -> int:
+        return chain_peak(costs, [blocks[i][k] for i, k in enumerate(p)])
+
+    current = peak(picks)
+    while current > budget:
+        move: tuple[float, int, int] | None = None
+        for i, opts in enumerate(blocks):
+            for k, o in enumerate(opts):
+                trial = [*picks[:i], k, *picks[i + 1 :]]
+                saved = current - peak(trial)
+                if saved <= 0:
+                    continue
+                added = max(o.seconds - opts[picks[i]].seconds, 1e-12)
+                rate = saved / added
+                if move is None or rate > move[0]:
+                    move = (rate, i, k)
+        if move is None:
+            return None
+        picks[move[1]] = move[2]
+        current = peak(picks)
+    return picks

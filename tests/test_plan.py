@@ -1,0 +1,268 @@
+"""remat.plan / remat.fit end to end: exact gradients, budgets, errors, the plan file."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.bench.measure import peak_step_bytes
+from remat.planning._budget import parse_budget
+from remat.workloads.gpt import GPT, GPTConfig, _lm_loss
+
+from helpers import assert_records_equal, train
+
+
+def _gpt() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=32, seq_len=16, d_model=16, n_heads=2, n_layers=3, dropout=0.1)
+    model = GPT(config).train()
+    x = torch.randint(0, 32, (2, 16))
+    y = torch.randint(0, 32, (2, 16))
+    return model, x, y
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.relu(self.bn(self.conv(x))))
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 1)
+        self.blocks = nn.Sequential(*(_ConvBlock() for _ in range(4)))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.stem(x))
+        out: torch.Tensor = self.head(h.mean(dim=(2, 3)))
+        return out
+
+
+_PROFILED: dict[str, Any] = {}
+
+
+def _profiled_gpt() -> Any:
+    """One profile of the tiny GPT, shared by the tests that only solve."""
+    if "gpt" not in _PROFILED:
+        from remat.planning.planner import profile_model
+
+        model, x, y = _gpt()
+        _PROFILED["gpt"] = (
+            model,
+            x,
+            y,
+            profile_model(model, x, lambda o: _lm_loss(o, y), repeats=0),
+        )
+    return _PROFILED["gpt"]
+
+
+def _smallest(profiled: Any) -> int:
+    from remat.planning.planner import _smallest as smallest
+
+    return smallest(profiled.costs, profiled.chain)
+
+
+def _measured_peak(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    def step() -> None:
+        torch.manual_seed(0)
+        _lm_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
+
+    step()
+    for p in model.parameters():
+        assert p.grad is not None
+        p.grad.zero_()
+    return peak_step_bytes(step, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("budget", ["60%", "smallest"])
+def test_gpt_plans_are_exact_and_fit(budget: str) -> None:
+    from remat.planning.planner import solve
+
+    model, x, y, profiled = _profiled_gpt()
+    plan = solve(profiled, _smallest(profiled) if budget == "smallest" else budget)
+    assert plan.predicted_peak <= plan.budget
+    planned = copy.deepcopy(model)
+    plan.apply(planned)
+    assert _measured_peak(copy.deepcopy(planned), x, y) <= plan.budget
+    batches = [(x, y), (x, y)]
+    assert_records_equal(
+        train(copy.deepcopy(model), batches, _lm_loss), train(planned, batches, _lm_loss)
+    )
+
+
+def test_measured_peak_never_rises_as_the_budget_shrinks() -> None:
+    from remat.planning.planner import solve
+
+    model, x, y, profiled = _profiled_gpt()
+    peaks = []
+    smallest = _smallest(profiled)
+    for budget in (
+        "100%",
+        "80%",
+        "60%",
+        smallest + (profiled.plain.peak - smallest) // 4,
+        smallest,
+    ):
+        plan = solve(profiled, budget)
+        planned = plan.apply(copy.deepcopy(model))
+        peaks.append(_measured_peak(planned, x, y))
+        assert peaks[-1] <= plan.budget
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def test_fit_with_batchnorm_and_dropout_is_exact() -> None:
+    torch.manual_seed(0)
+    model = _ConvNet().train()
+    x = torch.randn(2, 3, 16, 16)
+    target = torch.randint(0, 5, (2,))
+    loss_fn = nn.functional.cross_entropy
+    before = copy.deepcopy(model)
+    fitted = copy.deepcopy(model)
+    plan = remat.fit(fitted, x, budget="70%", loss_fn=lambda o: loss_fn(o, target))
+    assert any(b["option"] != "plain" for b in plan.blocks)
+    # Planning leaves buffers (BatchNorm statistics) and parameters as they were.
+    for (n, a), b in zip(before.state_dict().items(), fitted.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    assert plan.predicted_peak <= plan.budget
+    batches = [(x, target), (x, target)]
+    assert_records_equal(train(before, batches, loss_fn), train(fitted, batches, loss_fn))
+
+
+def test_infeasible_budget_names_the_smallest_that_fits() -> None:
+    from remat.planning.planner import solve
+
+    _, _, _, profiled = _profiled_gpt()
+    with pytest.raises(remat.RematError, match=r"smallest that fits is .* \((\d+) bytes") as info:
+        solve(profiled, 1000)
+    smallest = int(str(info.value).split("(")[2].split(" bytes")[0])
+    assert solve(profiled, smallest).predicted_peak <= smallest
+
+
+@pytest.mark.parametrize("budget", ["lots", "150%", "0%", -5, 0, 1.5, None, True, "12 parsecs"])
+def test_malformed_budgets_raise_clear_errors(budget: Any) -> None:
+    model, x, _, _ = _profiled_gpt()
+    with pytest.raises(remat.RematError, match=r"^remat\.plan: .*budget"):
+        remat.plan(model, x, budget=budget)
+
+
+def test_budget_texts() -> None:
+    assert parse_budget("50%", 1000) == 500
+    assert parse_budget(0.25, 1000) == 250
+    assert parse_budget(600 * 2**20, 1) == 600 * 2**20
+    assert parse_budget("1.5GiB", 1) == int(1.5 * 2**30)
+    assert parse_budget("600 MiB", 1) == 600 * 2**20
+    assert parse_budget("2kb", 1) == 2000
+
+
+def test_plan_file_round_trip(tmp_path: Any) -> None:
+    from remat.planning.planner import solve
+
+    _, _, _, profiled = _profiled_gpt()
+    plan = solve(profiled, "60%")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and data["budget"] == plan.budget
+    assert data["solver"]["block"].startswith("HiGHS")
+    tensors = [t for opts in data["options"].values() for o in opts for t in o["tensors"]]
+    assert tensors and {"key", "bytes", "decision", "reason"} <= set(tensors[0])
+    loaded = remat.Plan.load(path)
+    assert loaded.to_json() == plan.to_json()
+    assert loaded == plan
+
+
+def test_a_plan_refuses_another_model(tmp_path: Any) -> None:
+    from remat.planning.planner import solve
+
+    _, _, _, profiled = _profiled_gpt()
+    plan = solve(profiled, "60%")
+    config = GPTConfig(vocab_size=32, seq_len=16, d_model=24, n_heads=2, n_layers=3, dropout=0.1)
+    with pytest.raises(remat.RematError, match="another model: expected parameter"):
+        plan.apply(GPT(config))
+    with pytest.raises(remat.RematError, match="version 1"):
+        remat.Plan.from_json(json.dumps({"version": 99}))
+    with pytest.raises(remat.RematError, match="must be JSON"):
+        remat.Plan.from_json("not json")
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(256, 1024)
+        self.fc2 = nn.Linear(1024, 256)
+        self.drop = nn.Dropout(0.1)
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        h = h * torch.sigmoid(h)  # two saved tensors the graph engine rebuilds from h
+        if self.extra:  # a branch the profiled forward did not take
+            h = torch.sigmoid(h) * h
+        return x + self.drop(self.fc2(h))
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Branchy() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_changed_forward_stays_exact_and_is_reported() -> None:
+    torch.manual_seed(0)
+    model = _Stack().train()
+    x = torch.randn(512, 256)
+    plan = remat.plan(model, x, budget="70%", repeats=0, points=4)
+    assert any(b["option"].startswith("graph") for b in plan.blocks), plan.summary()
+    planned = plan.apply(copy.deepcopy(model))
+    for m in (model, planned):
+        for layer in m.layers:  # type: ignore[union-attr]
+            layer.extra = True
+    batches = [(x, torch.zeros(())), (x, torch.zeros(()))]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return out.square().sum() + target
+
+    expected = train(model, batches, loss_fn)
+    with pytest.warns(UserWarning, match="could not follow .* op"):
+        got = train(planned, batches, loss_fn)
+    assert_records_equal(expected, got)
+    report = plan.report()
+    assert "not in the plan" in report and "aten.sigmoid" in report
+    assert all(p.unfollowed > 0 and p.followed > 0 for p in plan.policies)
+
+
+def test_bench_auto_strategy_reports_its_prediction() -> None:
+    from remat.bench.measure import memory
+    from remat.workloads import get_workload
+
+    workload = get_workload("gpt", "small")
+    got = memory(workload, "remat-auto@50%", 0, torch.device("cpu"))
+    assert got["grads_equal"]
+    assert got["budget_feasible"] == 1.0
+    assert got["peak_bytes"] <= got["budget_bytes"]
+    assert abs(got["predicted_peak_bytes"] - got["peak_bytes"]) <= 0.03 * got["peak_bytes"]
+
+
+def test_bench_budgets_must_be_fractions(capsys: pytest.CaptureFixture[str]) -> None:
+    from remat.cli import main
+
+    assert main(["bench", "--budgets", "0.5,2", "--strategies", "none"]) == 2
+    assert "--budgets takes fractions in (0, 1]" in capsys.readouterr().err

@@ -1,0 +1,190 @@
+"""The planner's solvers against brute force, and its cost model on hand-built graphs."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from remat.planning.profile import BlockProfile, OpRecord
+from remat.planning.solve import (
+    REPLAY_OVERHEAD,
+    ChainCosts,
+    ChainOption,
+    brute_force_block,
+    chain_brute_force,
+    chain_dp,
+    chain_greedy,
+    chain_peak,
+    pareto,
+    solve_block,
+)
+
+
+def _op(
+    key: str, nbytes: int, deps: tuple[int, ...] = (), saved: bool = False, **kw: object
+) -> OpRecord:
+    return OpRecord(key=key, bytes=nbytes, saved=saved, deps=deps, must_save=False, **kw)  # type: ignore[arg-type]
+
+
+def test_a_dropped_tensor_whose_input_is_dropped_costs_both_replays() -> None:
+    # a -> b -> c, only c saved; a is the block's first op.
+    ops = [
+        _op("m|a|0", 100, seconds=1.0),
+        _op("m|b|0", 100, (0,), seconds=2.0),
+        _op("m|c|0", 100, (1,), saved=True, seconds=4.0),
+    ]
+    profile = BlockProfile("t", ops)
+    keep_all = solve_block(profile, cap=300)
+    assert keep_all is not None and keep_all.kept_bytes == 100 and keep_all.keep == {2}
+    assert keep_all.recompute == frozenset()
+    # Nothing kept: c's replay needs b's and a's, each once.
+    none = solve_block(profile, cap=0)
+    assert none is not None and none.kept_bytes == 0
+    assert none.recompute == {0, 1, 2}
+    assert none.seconds == pytest.approx(7.0 + 3 * REPLAY_OVERHEAD)
+
+
+def test_a_shared_input_is_replayed_once() -> None:
+    # x feeds two saved tensors; dropping all replays x once, not twice.
+    ops = [
+        _op("m|x|0", 1000, seconds=5.0),
+        _op("m|y|0", 10, (0,), saved=True, seconds=1.0),
+        _op("m|z|0", 10, (0,), saved=True, seconds=1.0),
+    ]
+    choice = solve_block(BlockProfile("t", ops), cap=20)
+    assert choice is not None  # keep y and z (20 bytes); x is never needed
+    assert choice.keep == {1, 2} and choice.recompute == frozenset()
+    choice = solve_block(BlockProfile("t", ops), cap=10)
+    assert choice is not None and choice.kept_bytes == 10 and len(choice.recompute) == 2
+    assert choice.seconds == pytest.approx(6.0 + 2 * REPLAY_OVERHEAD)  # x, then y or z
+    choice = solve_block(BlockProfile("t", ops), cap=0)
+    assert choice is not None and choice.recompute == {0, 1, 2}
+    assert choice.seconds == pytest.approx(7.0 + 3 * REPLAY_OVERHEAD)  # x once, for both
+
+
+def test_views_are_never_kept_and_must_save_ops_never_recomputed() -> None:
+    ops = [
+        _op("m|a|0", 64, seconds=1.0),
+        _op("m|view|0", 64, (0,), saved=True, view=True, seconds=0.0),
+        OpRecord("m|nonzero|0", 8, True, (0,), must_save=True, seconds=9.0),
+    ]
+    choice = solve_block(BlockProfile("t", ops), cap=1000)
+    assert choice is not None
+    assert 1 not in choice.keep and 2 in choice.keep and 2 not in choice.recompute
+    assert solve_block(BlockProfile("t", ops), cap=7) is None  # the must-save output is 8 bytes
+
+
+def _random_profile(rng: random.Random, n: int) -> BlockProfile:
+    ops = []
+    for i in range(n):
+        deps = tuple(sorted({rng.randrange(i) for _ in range(rng.randrange(3))})) if i else ()
+        ops.append(
+            _op(
+                f"m|op{i}|0",
+                rng.choice([0, 16, 64, 256, 1024]),
+                deps,
+                saved=rng.random() < 0.6,
+                seconds=rng.choice([1e-4, 5e-4, 2e-3]),
+            )
+        )
+    return BlockProfile("random", ops)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_block_milp_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    profile = _random_profile(rng, rng.randrange(4, 10))
+    total = sum(op.bytes for op in profile.ops)
+    for cap in (0, total // 4, total // 2, total):
+        expected = brute_force_block(profile, cap)
+        got = solve_block(profile, cap)
+        if expected is None:
+            assert got is None
+        else:
+            assert got is not None and got.kept_bytes <= cap
+            assert got.seconds == pytest.approx(expected, rel=1e-6, abs=1e-9)
+
+
+def test_pareto_options_trade_bytes_for_time() -> None:
+    profile = _random_profile(random.Random(7), 9)
+    front = pareto(profile, points=6)
+    assert len(front) >= 2
+    for a, b in itertools.pairwise(front):
+        assert a.seconds <= b.seconds and a.kept_bytes > b.kept_bytes
+
+
+def test_chain_peak_on_a_hand_built_chain() -> None:
+    costs = ChainCosts(head=10, before=5, tail=3)
+    plain = ChainOption(kept=100, backward=120, seconds=0.0)
+    dropped = ChainOption(kept=20, backward=110, seconds=1.0, left=15)
+    # Forward end: 10 + 100 + 20 = 130; backward of the plain block first in forward order:
+    # 5 + 0 + 120 + 15 (the dropped block's leftovers) = 140; of the dropped one:
+    # 5 + 100 + 110 = 215.
+    assert chain_peak(costs, [plain, dropped]) == 215
+    # Reversed: forward end 130; dropped first: 5 + 110 + 0 = 115; plain second: 5 + 20 + 120.
+    assert chain_peak(costs, [dropped, plain]) == 145
+
+
+def _random_chain(rng: random.Random) -> tuple[ChainCosts, list[list[ChainOption]]]:
+    options = [ChainOption(kept=1000, backward=1200, seconds=0.0)]
+    for _ in range(rng.randrange(2, 5)):
+        kept = rng.randrange(50, 900)
+        options.append(
+            ChainOption(
+                kept=kept,
+                backward=rng.randrange(900, 1400),
+                seconds=rng.uniform(0.1, 2.0),
+                left=rng.choice([0, kept // 2, kept]),
+            )
+        )
+    blocks = [options] * rng.randrange(2, 6)
+    return ChainCosts(head=rng.randrange(0, 500), before=rng.randrange(0, 200), tail=50), blocks
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_chain_dp_matches_brute_force_and_beats_greedy(seed: int) -> None:
+    rng = random.Random(seed)
+    costs, blocks = _random_chain(rng)
+    peaks = sorted({chain_peak(costs, [o[0] for o in blocks]), 2000, 3000, 4000})
+    for budget in peaks:
+        expected = chain_brute_force(costs, blocks, budget)
+        picks = chain_dp(costs, blocks, budget, grid=1 << 14, rgrid=1 << 10)
+        if expected is None:
+            assert picks is None
+            continue
+        assert picks is not None
+        chosen = [blocks[i][k] for i, k in enumerate(picks)]
+        assert chain_peak(costs, chosen) <= budget
+        assert sum(o.seconds for o in chosen) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+        greedy = chain_greedy(costs, blocks, budget)
+        if greedy is not None:
+            greedy_time = sum(blocks[i][k].seconds for i, k in enumerate(greedy))
+            assert sum(o.seconds for o in chosen) <= greedy_time + 1e-9
+
+
+def test_greedy_is_worse_than_the_dp_somewhere() -> None:
+    # The baseline is a baseline: on some chains it pays more time than the exact DP.
+    worse = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        costs, blocks = _random_chain(rng)
+        budget = 2500
+        picks = chain_dp(costs, blocks, budget, grid=1 << 14, rgrid=1 << 10)
+        greedy = chain_greedy(costs, blocks, budget)
+        if picks is None or greedy is None:
+            continue
+        dp_time = sum(blocks[i][k].seconds for i, k in enumerate(picks))
+        greedy_time = sum(blocks[i][k].seconds for i, k in enumerate(greedy))
+        worse += greedy_time > dp_time + 1e-9
+    assert worse > 0
+
+
+def test_layers_between_blocks_count_for_the_blocks_after_them() -> None:
+    # A downsampling layer between block 0 and block 1 keeps 40 bytes.
+    costs = ChainCosts(head=0, before=0, tail=0, gaps=(0, 40))
+    option = ChainOption(kept=10, backward=100, seconds=0.0)
+    assert chain_peak(costs, [option, option]) == 40 + 10 + 100
+    assert chain_dp(costs, [[option], [option]], 150) == [0, 0]
+    assert chain_dp(costs, [[option], [option]], 149) is None
