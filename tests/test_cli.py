@@ -29,6 +29,7 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         capsys,
         "bench",
         "--workload", "gpt",
+        "--size", "small",
         "--strategies", "torch-block,remat-block",
         "--rounds", "1",
         "--processes", "2",

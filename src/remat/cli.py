@@ -14,6 +14,9 @@ from .errors import RematError
 __all__: list[str] = []
 
 
+_DEFAULT_BUDGETS = "0.5,0.25,0.1"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="remat", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -27,7 +30,12 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     bench.add_argument("--workload", default="gpt", help="built-in workload (default: gpt)")
-    bench.add_argument("--size", default="small", help="small or bench (default: small)")
+    bench.add_argument(
+        "--size",
+        help="small (milliseconds a step), medium (where memory matters, a fraction of a second "
+        "a step here) or bench (about 1 GiB of activations) (default: medium; small with "
+        "--pipeline and --offload)",
+    )
     bench.add_argument(
         "--hf", metavar="MODEL", help="a Hugging Face model from its config: gpt2, llama or bert"
     )
@@ -38,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
         "--budgets",
         help="comma-separated memory budgets as fractions of the plain step's activation peak "
         "(e.g. 0.5,0.25,0.1): adds a remat-auto@50%%-style strategy per budget, planned by "
-        "remat.plan in each measuring process, with its prediction next to the measurement",
+        "remat.plan in each measuring process, with its prediction next to the measurement "
+        f"(default: {_DEFAULT_BUDGETS} when --strategies is not given, else none)",
     )
     bench.add_argument("--rounds", type=int, default=7, help="timed rounds (default: 7)")
     bench.add_argument(
@@ -97,6 +106,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .workloads import WORKLOAD_NAMES, get_workload
 
     mode = " --offload" if args.offload else " --pipeline" if args.pipeline else ""
+    if args.size is None:
+        args.size = "small" if mode else "medium"
     if args.rounds < 1:
         raise RematError(f"remat bench{mode}: --rounds must be at least 1, got {args.rounds}.")
     if args.processes < 1:
@@ -137,7 +148,10 @@ def _bench(args: argparse.Namespace) -> int:
                 strategies.append(entry.name)
             else:
                 print(f"skipping {entry.name}: it {reason}")
-    strategies += _budgets(args.budgets)
+    budgets = args.budgets
+    if budgets is None and not args.strategies:
+        budgets = _DEFAULT_BUDGETS
+    strategies += _budgets(budgets)
     if args.device not in ("cpu", "cuda"):
         raise RematError(f"remat bench: --device must be cpu or cuda, got {args.device!r}.")
     if args.device == "cuda":
@@ -164,8 +178,8 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
-    if console.width < 120:
-        console = Console(width=120)
+    if console.width < 160:  # a log or a narrow terminal: wide enough that no column is cut
+        console = Console(width=160)
     console.print(report.table(result))
     if result.recording_us_per_op is not None:
         print(

@@ -26,9 +26,11 @@ HF_MODELS = ("gpt2", "llama", "bert")
 def _shape(size: str) -> dict[str, int]:
     if size == "bench":
         return {"layers": 12, "width": 512, "heads": 8, "seq": 512, "batch": 2, "vocab": 8192}
+    if size == "medium":
+        return {"layers": 8, "width": 256, "heads": 4, "seq": 256, "batch": 2, "vocab": 4096}
     if size == "small":
         return {"layers": 2, "width": 32, "heads": 4, "seq": 16, "batch": 2, "vocab": 64}
-    raise RematError(f"remat bench: unknown size {size!r}; expected one of: bench, small.")
+    raise RematError(f"remat bench: unknown size {size!r}; expected one of: small, medium, bench.")
 
 
 def _build(name: str, s: dict[str, int]) -> nn.Module:

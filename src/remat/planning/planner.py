@@ -42,6 +42,7 @@ def _step(
         # The output is not held during backward, as in a training loop that keeps the loss.
         out = model(*args, **kwargs)
         loss = loss_fn(out) if loss_fn is not None else out.sum()
+        del out
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise RematError(
                 "remat.plan: loss_fn must return a one-element tensor, got "

@@ -4,9 +4,11 @@ Every memory policy in remat (keep, offload, recompute) has to be checked agains
 question: does it change the numbers, and how much activation memory does it save? Answering
 that needs models whose shape is fixed, whose parameters and batches are reproducible from a
 seed, and whose layers exercise the awkward cases (dropout, BatchNorm, attention, skip
-connections). This module provides four such models, each in two sizes:
+connections). This module provides four such models, each in three sizes:
 
 * ``small``: tiny models whose training step takes milliseconds, for unit tests.
+* ``medium``: about a tenth of ``bench``, where memory matters and a step takes a fraction of
+  a second on two cores: the default of ``remat bench``.
 * ``bench``: roughly 1 GiB of activations per training step, for benchmarks.
 
 Models are initialised randomly and batches are synthetic, so nothing is downloaded. All four
@@ -54,7 +56,7 @@ __all__ = ["SIZES", "WORKLOAD_NAMES", "Workload", "get_workload"]
 WORKLOAD_NAMES: tuple[str, ...] = ("gpt", "mlp", "convnet", "unet")
 """Names accepted by :func:`get_workload`."""
 
-SIZES: tuple[str, ...] = ("small", "bench")
+SIZES: tuple[str, ...] = ("small", "medium", "bench")
 """Sizes accepted by :func:`get_workload`."""
 
 

@@ -132,6 +132,11 @@ def _gpt_workload(size: str) -> Workload:
             vocab_size=8192, seq_len=512, d_model=512, n_heads=8, n_layers=12, dropout=0.1
         )
         batch_size = 2
+    elif size == "medium":
+        config = GPTConfig(
+            vocab_size=4096, seq_len=256, d_model=256, n_heads=4, n_layers=8, dropout=0.1
+        )
+        batch_size = 2
     else:
         config = GPTConfig(
             vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4, dropout=0.1

@@ -66,6 +66,9 @@ def _mlp_workload(size: str) -> Workload:
     if size == "bench":
         config = MLPConfig(width=512, depth=32, dropout=0.1)
         batch_size = 4096
+    elif size == "medium":
+        config = MLPConfig(width=256, depth=16, dropout=0.1)
+        batch_size = 2048
     else:
         config = MLPConfig(width=16, depth=4, dropout=0.1)
         batch_size = 8
