@@ -49,7 +49,7 @@ def _forward(wl: Workload, model: nn.Module, seed: int) -> Tensor:
 
 def test_exports() -> None:
     assert WORKLOAD_NAMES == ("gpt", "mlp", "convnet", "unet")
-    assert SIZES == ("small", "bench")
+    assert SIZES == ("small", "medium", "bench")
     assert set(workloads.__all__) == {"Workload", "get_workload", "WORKLOAD_NAMES", "SIZES"}
     for cls in ("GPT", "GPTBlock", "MLP", "MLPBlock", "ConvNet", "ConvBlock", "UNet", "UNetBlock"):
         assert issubclass(getattr(workloads, cls), nn.Module)
@@ -79,7 +79,7 @@ def test_unknown_name() -> None:
 
 
 def test_unknown_size() -> None:
-    message = "remat: unknown size 'huge'; expected one of: bench, small"
+    message = "remat: unknown size 'huge'; expected one of: bench, medium, small"
     with pytest.raises(RematError, match=f"^{re.escape(message)}$"):
         get_workload("gpt", "huge")
 

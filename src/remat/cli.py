@@ -14,7 +14,7 @@ from .errors import RematError
 __all__: list[str] = []
 
 
-_DEFAULT_BUDGETS = "0.5,0.25,0.1"
+_DEFAULT_BUDGETS = "0.75,0.5,0.25"
 
 
 def _parser() -> argparse.ArgumentParser:
