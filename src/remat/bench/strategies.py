@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
@@ -291,7 +292,7 @@ def _auto(budget: str) -> Callable[[nn.Module, Workload], None]:
     def prepare(model: nn.Module, workload: Workload) -> None:
         import time
 
-        from ..planning.planner import _smallest, profile_model, solve
+        from ..planning.planner import _smallest, profile_model, solve, solve_measured
 
         inputs, target = workload.batch(0)
         device = next(model.parameters()).device
@@ -306,8 +307,12 @@ def _auto(budget: str) -> Callable[[nn.Module, Workload], None]:
                 blocks=[name for name, _ in workload.blocks(model)],
             )
         profiled = _PROFILES[key]
+
+        def loss_fn(out: Any) -> torch.Tensor:
+            return workload.loss_fn(out, target)
+
         try:
-            plan = solve(profiled, budget)
+            plan = solve_measured(profiled, budget, model, inputs, loss_fn)
             feasible = 1.0
         except RematError:
             # Below what any plan fits: measure the plan at the smallest budget that fits.

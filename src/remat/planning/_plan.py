@@ -107,6 +107,12 @@ class Plan:
             f"solve {self.solver.get('solve_seconds', 0.0):.2f} s, profile "
             f"{self.measured.get('profile_seconds', 0.0):.1f} s; tiers {', '.join(self.tiers)}",
         ]
+        verified = self.measured.get("verified_peak")
+        if verified is not None:
+            lines.append(
+                f"  measured peak {fmt_bytes(verified)} in one step of the applied plan "
+                f"({self.measured.get('solves', 1)} solve(s))"
+            )
         runs: list[tuple[str, int]] = []
         for block in self.blocks:
             label = f"{block['type']}: {block['option']}"

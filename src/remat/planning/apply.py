@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ..modules import checkpoint_wrapper
+from ..modules import checkpoint_wrapper, is_wrapped
 from ..policies import Decision, OpContext
 from .profile import KeyCounter
 
@@ -108,3 +108,12 @@ def _done(module: nn.Module, args: Any, out: Any) -> None:
     policy = _policy(module)
     if policy is not None:
         policy.done()
+
+
+def undo_option(block: nn.Module) -> None:
+    """Undo :func:`apply_option` on ``block``: its class's forward, no plan hooks."""
+    if is_wrapped(block):
+        del block.forward
+    for hooks in (block._forward_pre_hooks, block._forward_hooks):
+        for key in [k for k, hook in hooks.items() if hook is _reset or hook is _done]:
+            del hooks[key]

@@ -16,9 +16,10 @@ Points in time are marked by allocating and freeing a byte tensor of a size no r
    the peak of each block's backward, the peak before the last block's backward starts
    (forward and the head) and after the first block's backward (the tail).
 
-The chain model is then ``peak = max(H + sum_j K_j, max_i (E + sum_{j<i} K_j + B_i), tail)``
-with ``K_j = K_chain_j + kept(o_j) - kept(plain)`` and ``B_i = backward(o_i)``; ``H``, ``E``
-and ``tail`` come from the plain step, so that the model reproduces the plain step's peak.
+The chain model is then ``peak = max(H + sum_j K_j, max_i (E_i + sum_{j<i} K_j + B_i), tail)``
+with ``K_j = K_chain_j + kept(o_j) - kept(plain)`` and ``B_i = backward(o_i)``; ``H``, each
+``E_i`` (what else is live at block i's backward) and ``tail`` come from the plain step, so
+that the model reproduces the plain step's peak at every block's backward.
 Time is the plain step plus, per block, the measured extra of its option (paired medians of one
 block's forward and backward, the option against plain).
 """
@@ -96,6 +97,19 @@ def timeline(step: Callable[[_Marks], Any], device: torch.device) -> Timeline:
         if current is not None:
             out.peaks[current] = max(out.peaks[current], live)
     return out
+
+
+def peak_bytes(step: Callable[[], Any], device: torch.device) -> int:
+    """The peak live bytes of ``step()`` above the level before it: the CPU allocator's events,
+    or the CUDA allocator's peak counter."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base)
+    return timeline(lambda mark: step(), device).peak
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,10 @@ it: parameters, gradients, buffers (BatchNorm statistics) and the random generat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +22,8 @@ from torch import nn
 from ..errors import RematError
 from ._budget import fmt_bytes, parse_budget
 from ._plan import Option, Plan, fingerprint
-from .apply import apply_option
-from .cost import PlainStep, measure_memory, measure_plain_step, measure_seconds
+from .apply import apply_option, undo_option
+from .cost import PlainStep, measure_memory, measure_plain_step, measure_seconds, peak_bytes
 from .profile import BlockProfile, capture, find_blocks, profile_block
 from .solve import RECORD_OVERHEAD, ChainCosts, ChainOption, OpChoice, chain_dp, chain_peak, pareto
 
@@ -147,11 +148,14 @@ def _chain(
     plain: PlainStep, types: list[str], options: dict[str, list[Option]]
 ) -> tuple[ChainCosts, list[list[ChainOption]]]:
     base = {name: next(o for o in opts if o.kind == "plain") for name, opts in options.items()}
-    before = max(
-        plain.backward_peaks[i] - plain.prefix[i] - base[t].backward for i, t in enumerate(types)
+    # What is live besides the blocks' kept bytes at each block's backward, measured there: in
+    # a U-Net the skip tensors and their gradients make it differ from block to block, and one
+    # constant (the largest) overstated the peak of every plan by up to a block's activations.
+    gaps = tuple(
+        plain.backward_peaks[i] - base[t].backward - sum(plain.kept[:i])
+        for i, t in enumerate(types)
     )
-    gaps = tuple(plain.prefix[i] - sum(plain.kept[:i]) for i in range(len(types)))
-    costs = ChainCosts(head=plain.head - sum(plain.kept), before=before, tail=plain.tail, gaps=gaps)
+    costs = ChainCosts(head=plain.head - sum(plain.kept), before=0, tail=plain.tail, gaps=gaps)
     chain = [
         [
             ChainOption(
@@ -159,7 +163,10 @@ def _chain(
                 backward=o.backward,
                 # Measured (paired medians) where the planner measured, else the op model.
                 seconds=o.measured_seconds if o.measured_seconds is not None else o.seconds,
-                left=max(o.left - base[t].left, 0) if o.kind == "graph" else 0,
+                # What it holds after its own backward until the whole backward ends, beyond
+                # plain: a graph-engine region's records, and a region's saved input (measured:
+                # a ConvNet's regions hold it, and leaving it out underestimated their peak).
+                left=max(o.left - base[t].left, 0),
             )
             for o in options[t]
         ]
@@ -203,6 +210,28 @@ class Profiled:
         self.costs, self.chain = _chain(self.plain, self.types, self.options)
 
 
+@contextlib.contextmanager
+def _as_found(model: nn.Module) -> Iterator[None]:
+    """Planning leaves the model as it found it: buffers (BatchNorm statistics), gradients and
+    the CPU random generator are put back on the way out."""
+    rng = torch.get_rng_state()
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    grads = {
+        n: (p.grad.detach().clone() if p.grad is not None else None)
+        for n, p in model.named_parameters()
+    }
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+        for n, p in model.named_parameters():
+            p.grad = grads.get(n)
+
+
 def profile_model(
     model: nn.Module,
     example_inputs: Any,
@@ -221,14 +250,7 @@ def profile_model(
     chosen_tiers = _tiers(tiers, device)
     paths = find_blocks(model, blocks)
     started = time.perf_counter()
-    # Planning leaves the model as it found it.
-    rng = torch.get_rng_state()
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    grads = {
-        n: (p.grad.detach().clone() if p.grad is not None else None)
-        for n, p in model.named_parameters()
-    }
-    try:
+    with _as_found(model):
         step = _step(model, example_inputs, loss_fn)
         found = capture(model, paths, step)
         plain = measure_plain_step(model, paths, step, device, repeats=max(repeats // 2, 1))
@@ -242,14 +264,6 @@ def profile_model(
                 block, found.inputs[path], profile, device, points, repeats
             )
             solve_seconds += seconds
-    finally:
-        torch.set_rng_state(rng)
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers:
-                    b.copy_(buffers[n])
-        for n, p in model.named_parameters():
-            p.grad = grads.get(n)
     return Profiled(
         paths=paths,
         types=found.types,
@@ -329,6 +343,73 @@ def solve(profiled: Profiled, budget: Any) -> Plan:
     )
 
 
+def measured_peak(
+    plan: Plan,
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+) -> int:
+    """The peak activation memory of one step of ``model`` set up as ``plan`` says (after a
+    warm-up step), measured as the profile was; the model is left as it was found."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    blocks = [model.get_submodule(b["path"]) for b in plan.blocks]
+    with _as_found(model):
+        try:
+            plan.apply(model)
+            step = _step(model, example_inputs, loss_fn)
+            step()
+            return peak_bytes(step, device)
+        finally:
+            for block in blocks:
+                undo_option(block)
+
+
+def solve_measured(
+    profiled: Profiled,
+    budget: Any,
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    attempts: int = 4,
+) -> Plan:
+    """:func:`solve`, then one measured step of the plan: where the measured peak is above
+    the budget (the model missed something), solve again on a budget smaller by the excess.
+
+    The plan keeps the model's prediction (``predicted_peak``) and records the measurement
+    (``measured["verified_peak"]``) and how many solves it took.
+    """
+    budget_bytes = parse_budget(budget, profiled.plain.peak)
+    target: Any = budget
+    peak = 0
+    for attempt in range(1, attempts + 1):
+        try:
+            result = solve(profiled, target)
+        except RematError:
+            if attempt == 1:
+                raise
+            raise RematError(
+                f"remat.plan: the fastest plan within {fmt_bytes(budget_bytes)} ({budget!r}) "
+                f"measured {fmt_bytes(peak)} at its peak, above the budget, and no plan fits "
+                f"a tighter one; raise the budget to {fmt_bytes(peak)} ({peak} bytes)."
+            ) from None
+        peak = measured_peak(result, model, example_inputs, loss_fn)
+        if peak <= budget_bytes:
+            break
+        target = result.budget - (peak - budget_bytes)
+        if target <= 0 or attempt == attempts:
+            raise RematError(
+                f"remat.plan: the fastest plan within {fmt_bytes(budget_bytes)} ({budget!r}) "
+                f"measured {fmt_bytes(peak)} at its peak, above the budget; raise the budget to "
+                f"{fmt_bytes(peak)} ({peak} bytes)."
+            )
+    result.budget = budget_bytes
+    result.budget_text = budget if isinstance(budget, str) else repr(budget)
+    result.measured["verified_peak"] = peak
+    result.measured["solves"] = attempt
+    return result
+
+
 def plan(
     model: nn.Module,
     example_inputs: Any,
@@ -340,7 +421,8 @@ def plan(
     points: int = 8,
     repeats: int = 5,
 ) -> Plan:
-    """The fastest plan whose predicted peak activation memory fits ``budget``.
+    """The fastest plan whose predicted peak activation memory fits ``budget``, checked by one
+    measured step (see :func:`solve_measured`).
 
     Args:
         model: the model, in the mode it trains in (``model.train()``).
@@ -363,7 +445,7 @@ def plan(
     profiled = profile_model(
         model, example_inputs, loss_fn, blocks=blocks, tiers=tiers, points=points, repeats=repeats
     )
-    return solve(profiled, budget)
+    return solve_measured(profiled, budget, model, example_inputs, loss_fn)
 
 
 def fit(

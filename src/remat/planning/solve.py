@@ -27,7 +27,8 @@ the level it started at during its backward, and leaves ``L[o]`` bytes held afte
 until the whole backward ends (a graph-engine region's kept results live as long as its
 records). The predicted peak is
 ``max(H + sum_j K_j, max_i (E + G_i + sum_{j<i} K_j + B_i + sum_{j>i} L_j), tail + sum_j L_j)``
-(``G_i``: what layers between the blocks before block i keep)
+(``G_i``: what is live besides the blocks' kept bytes at block i's backward, measured on the
+plain step: layers between the blocks, skip tensors, gradients; ``E`` is then zero)
 (see ``cost.py``). A DP over blocks in forward order keeps two numbers as state: the prefix
 sum of ``K``, and a reservation ``R`` for the ``L`` of the blocks still to come (any ``R`` at
 the start, each block takes its ``L`` out of it, never below zero), so every constraint reads
@@ -221,8 +222,8 @@ class ChainCosts:
     head: int  # H: the peak of forward and the head's backward, less the blocks' kept bytes
     before: int  # E: what is live outside the blocks during their backward
     tail: int  # the peak after the first block's backward
-    # Per block: bytes kept by what runs between the blocks before it (a downsampling layer
-    # between stages), on top of ``before``; none when empty.
+    # Per block: what is live besides the blocks' kept bytes at its backward (what layers
+    # between the blocks keep, skip tensors, gradients), on top of ``before``; none when empty.
     gaps: tuple[int, ...] = ()
 
     def gap(self, i: int) -> int:
@@ -280,12 +281,13 @@ def _chain_dp_grid(
     import numpy as np
 
     unit = max(budget / grid, 1.0)
-    size = int(target / unit) + 2
+    # The kept bytes of all blocks reach at most target - head (the forward's end fits).
+    size = int((target - min(costs.head, 0)) / unit) + 2
     lefts = max((o.left for opts in blocks for o in opts), default=0)
     # The reservation axis: what blocks after this one leave behind (see [ The chain DP ]).
     runit = max(budget / rgrid, 1.0)
     rsize = min(int(lefts * len(blocks) / runit) + 2, rgrid + 2) if lefts > 0 else 1
-    if rsize > 1:
+    if rsize > 2:  # two points (0 and one unit) already cover a total below one unit
         runit = max(lefts * len(blocks) / (rsize - 2), 1.0)
     if costs.tail > target or target <= 0:
         return None
