@@ -367,3 +367,47 @@ def test_a_plan_measured_above_its_budget_is_solved_again() -> None:
     assert checked.budget == first.budget and checked.budget_text == "60%"
     assert checked.measured["verified_peak"] <= checked.budget
     assert _measured_peak(checked.apply(copy.deepcopy(model)), x, y) <= checked.budget
+
+
+def test_a_planned_model_in_a_users_loop_with_save_and_resume(tmp_path: Any) -> None:
+    """The loop users write: their own AdamW, clip_grad_norm_, zero_grad(set_to_none=True);
+    after two steps a save (model, optimizer and plan files), a fresh model with the plan
+    loaded and applied, and a third step: bit-equal to three plain steps."""
+    model, x, y = _gpt()
+    plain = copy.deepcopy(model)
+    plan = remat.fit(model, x, budget="60%", loss_fn=lambda o: _lm_loss(o, y), repeats=0)
+    assert any(b["option"] != "plain" for b in plan.blocks)
+    plan.save(tmp_path / "plan.json")
+
+    def steps(m: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> list[Any]:
+        out: list[Any] = []
+        for step in range(first, last):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            loss = _lm_loss(m(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.5)
+            opt.step()
+            out += [loss.detach(), norm, *[p.detach().clone() for p in m.parameters()]]
+        return out
+
+    def adamw(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+    plain_opt = adamw(plain)
+    expected = steps(plain, plain_opt, 0, 3)
+    opt = adamw(model)
+    got = steps(model, opt, 0, 2)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    assert list(model.state_dict()) == list(plain.state_dict())  # the plan renames nothing
+
+    resumed, _, _ = _gpt()
+    remat.Plan.load(tmp_path / "plan.json").apply(resumed)
+    saved = torch.load(tmp_path / "ckpt.pt")
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = adamw(resumed)
+    resumed_opt.load_state_dict(saved["opt"])
+    got += steps(resumed, resumed_opt, 2, 3)
+    assert len(got) == len(expected)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)

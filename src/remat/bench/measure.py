@@ -61,27 +61,11 @@ def _zero_grads(model: nn.Module) -> None:
 
 
 def peak_step_bytes(step: Callable[[], Any], device: torch.device) -> int:
-    """Peak bytes allocated by ``step`` above what was live when it started."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - base)
-    from torch._C._autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    """Peak bytes allocated by ``step`` above what was live when it started: the planner's
+    measurement, so that a plan's prediction and the bench's figure are the same quantity."""
+    from ..planning.cost import peak_bytes
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        if event.device_type() == DeviceType.CPU:
-            live += event.nbytes()
-            peak = max(peak, live)
-    return peak
+    return peak_bytes(step, device)
 
 
 def peak_rss_bytes(step: Callable[[], Any]) -> int:

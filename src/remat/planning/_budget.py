@@ -60,5 +60,7 @@ def parse_budget(budget: object, plain_peak: int) -> int:
 
 
 def fmt_bytes(n: float) -> str:
-    """``n`` bytes in MiB with one decimal, for summaries."""
+    """``n`` bytes in MiB with one decimal, for summaries; KiB below 0.1 MiB."""
+    if abs(n) < 0.1 * 2**20:
+        return f"{n / 2**10:,.1f} KiB"
     return f"{n / 2**20:,.1f} MiB"
