@@ -97,7 +97,7 @@ class Replay:
             self._count_uses(task)
             if not outside:
                 # What a backward leaves cached (slots it never asked for) goes when it ends.
-                _state.when_backward_ends(functools.partial(self._end, task))
+                _state.forget_when_backward_ends(self._end, task)
         if isinstance(ref, _Input):
             value = self._input(ref.index, task)
         else:

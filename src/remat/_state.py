@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, Protocol
@@ -66,6 +67,20 @@ def backward_task() -> tuple[int, bool]:
 def when_backward_ends(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the running backward finishes."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def forget_when_backward_ends(forget: Callable[[int], None], task: int) -> None:
+    """Call the bound method ``forget(task)`` when the running backward finishes, if its object
+    is still alive then. The callback holds the object weakly: a region's state (its inputs, what
+    it rebuilt) goes as soon as the graph drops it, not when the whole backward ends."""
+    method = weakref.WeakMethod(forget)
+
+    def callback() -> None:
+        bound = method()
+        if bound is not None:
+            bound(task)
+
+    when_backward_ends(callback)
 
 
 def is_checkpointing() -> bool:

@@ -25,7 +25,10 @@ Events in order, for a tensor ``t`` that an op inside region R saves for backwar
 4. autograd unpacks slot i in task ``g``: the stored tensor is popped and returned, so the frame
    holds it no longer than autograd does (even with ``retain_graph=True``).
 5. a slot that backward never unpacks (partial backward) dies with its graph node; its stored
-   tensor goes with it, since ``recomputed[g]`` is keyed weakly on slots.
+   tensor goes with it, since ``recomputed[g]`` is keyed weakly on slots. What is left of
+   ``recomputed[g]`` is dropped when ``g`` ends, by a callback that holds R's frame weakly:
+   the frame, and the inputs it holds, go as soon as the graph drops R's nodes, not when the
+   whole backward ends (a strong hold kept one region input per chain of regions alive).
 6. another backward over the same graph (``retain_graph=True``) is a new task ``g'``: step 2
    runs again.
 
@@ -40,7 +43,6 @@ Rule 3. A recompute starts as if no region were active; regions it meets are hon
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import weakref
 from collections.abc import Callable
@@ -206,7 +208,7 @@ class _Frame:
             store = self._recompute(task)
             if not outside:
                 # Rebuilt tensors that this backward never asks for go when it ends.
-                _state.when_backward_ends(functools.partial(self._forget, task))
+                _state.forget_when_backward_ends(self._forget, task)
         t = store.pop(slot, None)
         if outside:
             self._forget(task)
