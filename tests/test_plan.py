@@ -411,3 +411,20 @@ def test_a_planned_model_in_a_users_loop_with_save_and_resume(tmp_path: Any) -> 
     assert len(got) == len(expected)
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_measured_check_leaves_the_report_to_the_users_apply() -> None:
+    """remat.plan runs one step of the applied plan to check it, then undoes it: the model runs
+    plainly again, and report() counts only what runs after the user's own apply."""
+    torch.manual_seed(0)
+    model = _Stack().train()
+    x = torch.randn(512, 256)
+    plan = remat.plan(model, x, budget="70%", repeats=0, points=4)
+    assert any(b["option"].startswith("graph") for b in plan.blocks), plan.summary()
+    assert plan.measured["verified_peak"] <= plan.budget
+    assert plan.policies == []
+    assert not any(remat.modules.is_wrapped(m) for m in model.modules())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    plan.apply(model)
+    model(x).sum().backward()
+    assert all(p.followed > 0 and p.unfollowed == 0 for p in plan.policies)

@@ -363,6 +363,7 @@ def measured_peak(
         finally:
             for block in blocks:
                 undo_option(block)
+            plan.policies = []  # what report() counts starts at the user's own apply
 
 
 def solve_measured(
