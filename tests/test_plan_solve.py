@@ -17,6 +17,7 @@ from remat.planning.solve import (
     chain_dp,
     chain_greedy,
     chain_peak,
+    chosen,
     pareto,
     solve_block,
 )
@@ -188,3 +189,73 @@ def test_layers_between_blocks_count_for_the_blocks_after_them() -> None:
     assert chain_peak(costs, [option, option]) == 40 + 10 + 100
     assert chain_dp(costs, [[option], [option]], 150) == [0, 0]
     assert chain_dp(costs, [[option], [option]], 149) is None
+
+
+def test_chain_peak_with_a_segment_on_a_hand_built_chain() -> None:
+    # Three blocks; the last two as one segment that keeps 30 bytes and peaks at 250 in its
+    # backward (both blocks' activations at once). G differs per block: 7 and 9.
+    costs = ChainCosts(head=10, before=5, tail=3, gaps=(0, 7, 9))
+    plain = ChainOption(kept=100, backward=120, seconds=0.0)
+    segment = ChainOption(kept=30, backward=250, seconds=2.0, span=2)
+    # Forward end: 10 + 100 + 30 = 140; the segment's backward: 5 + max(7, 9) + 100 + 250 =
+    # 364; the plain block's: 5 + 0 + 0 + 120 = 125.
+    assert chain_peak(costs, [plain, segment]) == 364
+    assert chosen([[plain], [plain, segment], [plain]], [0, 1, -1]) == [plain, segment]
+
+
+def _random_chain_with_segments(
+    rng: random.Random,
+) -> tuple[ChainCosts, list[list[ChainOption]]]:
+    costs, blocks = _random_chain(rng)
+    n = len(blocks)
+    single = blocks[0]
+    with_segments = []
+    for i in range(n):
+        here = list(single)
+        for span in range(2, n - i + 1):
+            here.append(
+                ChainOption(
+                    kept=rng.randrange(20, 200),
+                    backward=1000 * span + rng.randrange(0, 300),
+                    seconds=rng.uniform(0.5, 1.5) * span,
+                    left=rng.choice([0, 10]),
+                    span=span,
+                )
+            )
+        with_segments.append(here)
+    return costs, with_segments
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_chain_dp_with_segments_matches_brute_force(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    costs, blocks = _random_chain_with_segments(rng)
+    plain_peak = chain_peak(costs, [o[0] for o in blocks])
+    for budget in sorted({plain_peak, 1500, 2000, 2500, 3000, 4000}):
+        expected = chain_brute_force(costs, blocks, budget)
+        picks = chain_dp(costs, blocks, budget, grid=1 << 14, rgrid=1 << 10)
+        if expected is None:
+            assert picks is None
+            continue
+        assert picks is not None
+        options = chosen(blocks, picks)
+        # The picks tile the chain: each segment covers the blocks marked -1 after it.
+        i = 0
+        while i < len(blocks):
+            span = blocks[i][picks[i]].span
+            assert picks[i] >= 0 and picks[i + 1 : i + span] == [-1] * (span - 1)
+            i += span
+        assert chain_peak(costs, options) <= budget
+        assert sum(o.seconds for o in options) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+def test_a_segment_beats_every_single_block_option_where_inputs_are_large() -> None:
+    # Each block's input is most of what it keeps: recomputing blocks one by one keeps every
+    # input (90 each); one segment of four keeps one (90) and peaks at its four blocks (300).
+    costs = ChainCosts(head=0, before=0, tail=0)
+    plain = ChainOption(kept=100, backward=110, seconds=0.0)
+    region = ChainOption(kept=90, backward=110, seconds=1.0)
+    segment = ChainOption(kept=90, backward=300, seconds=4.0, span=4)
+    blocks = [[plain, region, segment], [plain, region], [plain, region], [plain, region]]
+    assert chain_dp(costs, [[plain, region]] * 4, 359) is None  # four inputs held: 360
+    assert chain_dp(costs, blocks, 359) == [2, -1, -1, -1]

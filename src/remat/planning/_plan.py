@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import RematError
 from ._budget import fmt_bytes
-from .apply import PlanPolicy, apply_option
+from .apply import PlanPolicy, apply_option, apply_segment
 
 __all__ = ["Plan"]
 
@@ -28,7 +28,7 @@ class Option:
     """One way to run one block type, with its measured costs (see ``cost.py``)."""
 
     name: str
-    kind: str  # "plain", "region" or "graph"
+    kind: str  # "plain", "region", "graph" or "segment"
     kept: int  # bytes held from the block's forward to its backward, measured alone
     backward: int  # peak bytes during its backward above the level before its forward
     seconds: float  # extra seconds of a step by the op model (see ``planner._options``)
@@ -40,6 +40,11 @@ class Option:
     decisions: dict[str, str] = field(default_factory=dict)  # op key -> "keep" / "recompute"
     # Per saved tensor: {"key", "bytes", "decision", "reason"}.
     tensors: list[dict[str, Any]] = field(default_factory=list)
+    # Blocks it covers: more than one for a segment (see [ Segments ] in ``solve.py``).
+    span: int = 1
+    # How its costs were found: "measured" on copies of the block, or "extrapolated" from the
+    # segments of two and three blocks measured so (a segment's costs grow by a block's).
+    source: str = "measured"
 
 
 @dataclass
@@ -57,7 +62,9 @@ class Plan:
     plain_seconds: float
     predicted_peak: int
     predicted_seconds: float
-    blocks: list[dict[str, str]]  # {"path", "type", "option"} in forward order
+    # {"path", "type", "option"} in forward order; the blocks of a segment all name it, and
+    # "segment" names the path of its first block.
+    blocks: list[dict[str, str]]
     options: dict[str, list[Option]]  # block type -> its options
     solver: dict[str, Any]
     tiers: list[str]
@@ -82,8 +89,12 @@ class Plan:
         """Set ``model``'s blocks up as planned, in place; returns ``model``."""
         check_fingerprint(self.fingerprint, fingerprint(model, [b["path"] for b in self.blocks]))
         self.policies = []
+        for paths in segments(self.blocks):
+            apply_segment(model, paths)
         for block in self.blocks:
             o = self.option(block)
+            if o.kind == "segment":
+                continue
             policy = apply_option(
                 model.get_submodule(block["path"]), block["path"], o.kind, o.decisions
             )
@@ -115,6 +126,8 @@ class Plan:
             )
         runs: list[tuple[str, int]] = []
         for block in self.blocks:
+            if block.get("segment", block["path"]) != block["path"]:
+                continue  # counted at the segment's first block
             label = f"{block['type']}: {block['option']}"
             if runs and runs[-1][0] == label:
                 runs[-1] = (label, runs[-1][1] + 1)
@@ -131,6 +144,8 @@ class Plan:
             for o in options:
                 recomputed = sum(1 for d in o.decisions.values() if d == "recompute")
                 what = f", {recomputed} ops recomputed" if o.kind == "graph" else ""
+                if o.source != "measured":
+                    what += f" ({o.source})"
                 measured = (
                     f"{o.measured_seconds * 1e3:8.2f} ms" if o.measured_seconds is not None else "-"
                 )
@@ -187,6 +202,16 @@ class Plan:
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         with open(path, encoding="utf-8") as f:
             return cls.from_json(f.read())
+
+
+def segments(blocks: list[dict[str, str]]) -> list[list[str]]:
+    """The paths of each segment a plan's blocks form, in forward order."""
+    found: dict[str, list[str]] = {}
+    for block in blocks:
+        first = block.get("segment")
+        if first is not None:
+            found.setdefault(first, []).append(block["path"])
+    return list(found.values())
 
 
 def fingerprint(model: nn.Module, blocks: list[str]) -> dict[str, Any]:

@@ -12,21 +12,40 @@ whose key the plan does not know is kept (keeping is always exact; so is recompu
 policy counts it. The first call that meets such ops warns once per policy, naming how many ops
 it could not follow and one of their keys; ``Plan.report()`` shows the counts next to the
 prediction.
+
+NOTE [ Segments on the model ]
+
+A segment (blocks ``first`` to ``last``, see [ Segments ] in ``solve.py``) has no one function
+to re-run: the parent's forward calls its blocks one by one. It is a graph-engine region with
+``recompute_everything`` opened by a forward pre-hook on its first block and closed by a forward
+hook on its last: the engine records every ATen op in between (the blocks and whatever the
+parent runs between them) and keeps only what enters the segment from outside, so backward
+replays the segment once, from its input, as ``checkpoint_sequential`` recomputes a segment.
+The region is closed by whichever comes first: the last block's forward returning, an error
+raised inside any block of the segment (``always_call`` hooks), or the end of the model's
+forward (a hook on the root, for a forward that stops before the last block, or an error the
+parent raises between blocks). A forward that begins while one is open (a stale region) closes
+it first. Under ``torch.no_grad()``, ``remat.disable_checkpointing()`` or ``torch.compile`` the
+blocks run plainly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
+from .. import _state
 from ..modules import checkpoint_wrapper, is_wrapped
-from ..policies import Decision, OpContext
+from ..policies import Decision, OpContext, recompute_everything
 from .profile import KeyCounter
 
-__all__ = ["PlanPolicy"]
+__all__ = ["PlanPolicy", "Segment"]
 
 
 @dataclass
@@ -117,3 +136,68 @@ def undo_option(block: nn.Module) -> None:
     for hooks in (block._forward_pre_hooks, block._forward_hooks):
         for key in [k for k, hook in hooks.items() if hook is _reset or hook is _done]:
             del hooks[key]
+
+
+class Segment:
+    """Blocks run as one region that recomputes everything (see [ Segments on the model ])."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+        self._open: contextlib.ExitStack | None = None
+        self._error: BaseException | None = None  # the error being handled when it opened
+
+    @property
+    def recording(self) -> bool:
+        """Whether the segment's region is open (between its first and last block)."""
+        return self._open is not None
+
+    def enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self.close()
+        if not torch.is_grad_enabled() or _state.state.disabled or torch.compiler.is_compiling():
+            return
+        from ..graph import recording
+
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        stack = contextlib.ExitStack()
+        stack.enter_context(recording(recompute_everything, tensors))
+        self._open, self._error = stack, sys.exc_info()[1]
+
+    def exit(self, module: nn.Module, args: Any, out: Any) -> None:
+        """The last block's forward returned, or raised."""
+        self.close()
+
+    def exit_on_error(self, module: nn.Module, args: Any, out: Any) -> None:
+        """A block of the segment, or the model, returned or raised: close on an error only."""
+        error = sys.exc_info()[1]
+        if error is not None and error is not self._error:
+            self.close()
+
+    def exit_at_root(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        stack, self._open = self._open, None
+        if stack is not None:
+            stack.close()
+
+
+def apply_segment(root: nn.Module, paths: list[str]) -> Segment:
+    """Run the blocks at ``paths`` (consecutive, in forward order) of ``root`` as one segment."""
+    segment = Segment(paths)
+    blocks = [root.get_submodule(p) for p in paths]
+    blocks[0].register_forward_pre_hook(segment.enter, with_kwargs=True)
+    for block in blocks[:-1]:
+        block.register_forward_hook(segment.exit_on_error, always_call=True)
+    blocks[-1].register_forward_hook(segment.exit, always_call=True)
+    root.register_forward_hook(segment.exit_at_root, always_call=True)
+    return segment
+
+
+def undo_segment(root: nn.Module, paths: list[str]) -> None:
+    """Undo :func:`apply_segment`."""
+    for module in [root, *(root.get_submodule(p) for p in paths)]:
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key in [
+                k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None), Segment)
+            ]:
+                del hooks[key]

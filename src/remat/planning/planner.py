@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,18 +19,29 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..errors import RematError
 from ._budget import fmt_bytes, parse_budget
-from ._plan import Option, Plan, fingerprint
-from .apply import apply_option, undo_option
+from ._plan import Option, Plan, fingerprint, segments
+from .apply import apply_option, apply_segment, undo_option, undo_segment
 from .cost import PlainStep, measure_memory, measure_plain_step, measure_seconds, peak_bytes
-from .profile import BlockProfile, capture, find_blocks, profile_block
-from .solve import RECORD_OVERHEAD, ChainCosts, ChainOption, OpChoice, chain_dp, chain_peak, pareto
+from .profile import BlockProfile, capture, find_blocks, first_tensor, fresh_inputs, profile_block
+from .solve import (
+    RECORD_OVERHEAD,
+    ChainCosts,
+    ChainOption,
+    OpChoice,
+    chain_dp,
+    chain_peak,
+    chosen,
+    pareto,
+)
 
 __all__ = ["fit", "plan"]
 
 _TIERS = ("recompute", "host", "disk")
+MAX_SEGMENT = 12  # the most blocks one segment covers
 
 
 def _step(
@@ -93,6 +105,95 @@ def _decisions(
     return decisions, tensors
 
 
+class _Chain(nn.Module):
+    """Copies of one block called one after another, as a chain of them runs in the model:
+    each block's first output tensor is the next one's first argument."""
+
+    def __init__(self, block: nn.Module, span: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(copy.deepcopy(block) for _ in range(span))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = None
+        for b in self.blocks:
+            out = b(*args, **kwargs)
+            args = (first_tensor(out), *args[1:])
+        return out
+
+
+def _chains(block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
+    """Whether ``block``'s first output can be its next copy's first argument."""
+    args, kwargs = fresh_inputs(inputs)
+    if not args or not isinstance(args[0], torch.Tensor):
+        return False
+    with _as_found(block), torch.no_grad():
+        out = block(*args, **kwargs)
+    t = next((v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)), None)
+    return t is not None and t.shape == args[0].shape and t.dtype == args[0].dtype
+
+
+def _segments(
+    block: nn.Module,
+    inputs: tuple[tuple[Any, ...], dict[str, Any]],
+    device: torch.device,
+    longest: int,
+    repeats: int,
+    per_block: float,
+) -> list[Option]:
+    """Segment options of 2 to ``longest`` blocks (see [ Segments ] in ``solve.py``): those of
+    two and three blocks measured on chains of copies of ``block`` against plain chains of the
+    same length, longer ones extrapolated from them: bytes grow by what the third block added
+    to the second (memory repeats to the byte), time by the mean per block of the two (a
+    difference of two timings would carry their noise, times the blocks added). Kept and left
+    bytes are written as the plain blocks' plus the segment's difference from a plain chain.
+    ``per_block`` is the op model's extra seconds per block (a forward replayed and recorded),
+    the prediction when nothing is timed (``repeats=0``)."""
+    if longest < 2 or not _chains(block, inputs):
+        return []
+    single = measure_memory(copy.deepcopy(block), inputs, device)
+    found: dict[int, tuple[float, float, float, float]] = {}
+    for span in (2, 3)[: longest - 1]:
+        plain = _Chain(block, span)
+        segment = _Chain(block, span)
+        apply_segment(segment, [f"blocks.{k}" for k in range(span)])
+        p_kept, _, p_left = measure_memory(plain, inputs, device)
+        kept_, backward_, left_ = measure_memory(segment, inputs, device)
+        found[span] = (
+            float(kept_ - p_kept + span * single[0]),
+            float(backward_),
+            float(left_ - p_left + span * single[2]),
+            measure_seconds(segment, plain, inputs, repeats) if repeats > 0 else math.nan,
+        )
+    options = []
+    for span in range(2, longest + 1):
+        if span in found:
+            values, source = found[span], "measured"
+        else:  # memory: a block more adds what the third added; time: each block its share
+            a, b = found[2], found[3]
+            values = (
+                b[0] + (span - 3) * (b[0] - a[0]),
+                b[1] + (span - 3) * (b[1] - a[1]),
+                b[2] + (span - 3) * (b[2] - a[2]),
+                span * (a[3] + b[3]) / 5,
+            )
+            source = "extrapolated"
+        kept, backward, left, seconds = values
+        options.append(
+            Option(
+                name=f"segment-{span}",
+                kind="segment",
+                kept=int(kept),
+                backward=int(backward),
+                seconds=span * per_block,
+                measured_seconds=seconds if repeats > 0 else None,
+                left=int(left),
+                span=span,
+                source=source,
+            )
+        )
+    return options
+
+
 def _options(
     block: nn.Module,
     inputs: Any,
@@ -100,6 +201,7 @@ def _options(
     device: torch.device,
     points: int,
     repeats: int,
+    longest: int = 1,
 ) -> tuple[list[Option], float]:
     """The options of one block type, each measured on a copy of ``block``; the solve time."""
     start = time.perf_counter()
@@ -126,7 +228,8 @@ def _options(
         options.append(
             Option(name, kind, kept, backward, predicted, measured, left, gap, decisions, tensors)
         )
-    # Drop options another option beats on every count.
+    # Drop options another option beats on every count (segments compete among themselves
+    # only: one covers more blocks).
     kept_options = [
         o
         for o in options
@@ -137,16 +240,31 @@ def _options(
             and p.backward <= o.backward
             and p.seconds <= o.seconds
             and p.left <= o.left
+            and p.span == o.span
             and (p.kept, p.backward, p.seconds, p.left) != (o.kept, o.backward, o.seconds, o.left)
             for p in options
         )
     ]
-    return kept_options, solve_seconds
+    per_block = profile.forward_seconds + RECORD_OVERHEAD * len(profile.ops)
+    segments = _segments(block, inputs, device, longest, repeats, per_block)
+    return kept_options + segments, solve_seconds
+
+
+def _runs(types: list[str]) -> dict[str, int]:
+    """The longest run of consecutive blocks of each type."""
+    longest: dict[str, int] = {}
+    run = 0
+    for i, t in enumerate(types):
+        run = run + 1 if i and types[i - 1] == t else 1
+        longest[t] = max(longest.get(t, 0), run)
+    return longest
 
 
 def _chain(
     plain: PlainStep, types: list[str], options: dict[str, list[Option]]
-) -> tuple[ChainCosts, list[list[ChainOption]]]:
+) -> tuple[ChainCosts, list[list[ChainOption]], list[list[str]]]:
+    """The chain model's constants, and per block the options that may start there (a segment
+    only where the blocks it covers are of one type) with their names."""
     base = {name: next(o for o in opts if o.kind == "plain") for name, opts in options.items()}
     # What is live besides the blocks' kept bytes at each block's backward, measured there: in
     # a U-Net the skip tensors and their gradients make it differ from block to block, and one
@@ -156,29 +274,36 @@ def _chain(
         for i, t in enumerate(types)
     )
     costs = ChainCosts(head=plain.head - sum(plain.kept), before=0, tail=plain.tail, gaps=gaps)
-    chain = [
-        [
-            ChainOption(
-                kept=max(plain.kept[i] + o.kept - base[t].kept, 0),
-                backward=o.backward,
-                # Measured (paired medians) where the planner measured, else the op model.
-                seconds=o.measured_seconds if o.measured_seconds is not None else o.seconds,
-                # What it holds after its own backward until the whole backward ends, beyond
-                # plain: a graph-engine region's records, and a region's saved input (measured:
-                # a ConvNet's regions hold it, and leaving it out underestimated their peak).
-                left=max(o.left - base[t].left, 0),
-            )
-            for o in options[t]
-        ]
-        for i, t in enumerate(types)
-    ]
-    return costs, chain
+    chain: list[list[ChainOption]] = []
+    names: list[list[str]] = []
+    for i, t in enumerate(types):
+        here = [o for o in options[t] if o.span == 1 or types[i : i + o.span] == [t] * o.span]
+        chain.append(
+            [
+                ChainOption(
+                    kept=max(sum(plain.kept[i : i + o.span]) + o.kept - o.span * base[t].kept, 0),
+                    backward=o.backward,
+                    # Measured (paired medians) where the planner measured, else the op model.
+                    seconds=o.measured_seconds if o.measured_seconds is not None else o.seconds,
+                    # What it holds after its own backward until the whole backward ends, beyond
+                    # plain: a graph-engine region's records, and a region's saved input
+                    # (measured: a ConvNet's regions hold it, and leaving it out underestimated
+                    # their peak).
+                    left=max(o.left - o.span * base[t].left, 0),
+                    span=o.span,
+                )
+                for o in here
+            ]
+        )
+        names.append([o.name for o in here])
+    return costs, chain, names
 
 
 def _smallest(costs: ChainCosts, chain: list[list[ChainOption]]) -> int:
     """The smallest budget the chain DP can meet: bisection on feasibility."""
+    singles = [[o for o in opts if o.span == 1] for opts in chain]
     high = max(
-        chain_peak(costs, [min(opts, key=lambda o: o.kept + o.backward) for opts in chain]), 1
+        chain_peak(costs, [min(opts, key=lambda o: o.kept + o.backward) for opts in singles]), 1
     )
     high = max(high, chain_peak(costs, [opts[0] for opts in chain]))
     low = 0
@@ -205,9 +330,10 @@ class Profiled:
     profile_seconds: float
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
+    names: list[list[str]] = field(init=False)  # the name of each chain option
 
     def __post_init__(self) -> None:
-        self.costs, self.chain = _chain(self.plain, self.types, self.options)
+        self.costs, self.chain, self.names = _chain(self.plain, self.types, self.options)
 
 
 @contextlib.contextmanager
@@ -256,12 +382,13 @@ def profile_model(
         plain = measure_plain_step(model, paths, step, device, repeats=max(repeats // 2, 1))
         options: dict[str, list[Option]] = {}
         solve_seconds = 0.0
+        longest = {t: min(n, MAX_SEGMENT) for t, n in _runs(found.types).items()}
         for t in dict.fromkeys(found.types):
             path = paths[found.types.index(t)]
             block = model.get_submodule(path)
             profile = profile_block(block, found.inputs[path], t, repeats=max(repeats // 2, 1))
             options[t], seconds = _options(
-                block, found.inputs[path], profile, device, points, repeats
+                block, found.inputs[path], profile, device, points, repeats, longest[t]
             )
             solve_seconds += seconds
     return Profiled(
@@ -291,13 +418,13 @@ def solve(profiled: Profiled, budget: Any) -> Plan:
             f"{smallest / max(plain.peak, 1):.0%} of the plain step's "
             f"{fmt_bytes(plain.peak)}). Raise the budget."
         )
-    chosen = [chain[i][k] for i, k in enumerate(picks)]
+    picked = chosen(chain, picks)
     curve = []
     for fraction in (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.1):
         b = int(plain.peak * fraction)
         p = chain_dp(costs, chain, b)
         if p is not None:
-            opts = [chain[i][k] for i, k in enumerate(p)]
+            opts = chosen(chain, p)
             curve.append(
                 {
                     "budget": float(b),
@@ -313,12 +440,9 @@ def solve(profiled: Profiled, budget: Any) -> Plan:
         budget_text=text,
         plain_peak=plain.peak,
         plain_seconds=plain.seconds,
-        predicted_peak=chain_peak(costs, chosen),
-        predicted_seconds=plain.seconds + sum(o.seconds for o in chosen),
-        blocks=[
-            {"path": p, "type": t, "option": options[t][k].name}
-            for p, t, k in zip(profiled.paths, profiled.types, picks, strict=True)
-        ],
+        predicted_peak=chain_peak(costs, picked),
+        predicted_seconds=plain.seconds + sum(o.seconds for o in picked),
+        blocks=_blocks(profiled, picks),
         options=options,
         solver={
             "block": "HiGHS MILP (scipy.optimize.milp) per block type",
@@ -343,6 +467,26 @@ def solve(profiled: Profiled, budget: Any) -> Plan:
     )
 
 
+def _blocks(profiled: Profiled, picks: list[int]) -> list[dict[str, str]]:
+    """A plan's ``blocks`` entries for an assignment: each block's option, and for the blocks
+    of a segment the path of its first block."""
+    out: list[dict[str, str]] = []
+    segment: tuple[str, str, int] | None = None  # (name, first path, blocks left)
+    for i, (path, t, k) in enumerate(zip(profiled.paths, profiled.types, picks, strict=True)):
+        if k >= 0:
+            span = profiled.chain[i][k].span
+            segment = (profiled.names[i][k], path, span) if span > 1 else None
+        entry = {"path": path, "type": t}
+        if segment is not None:
+            name, first, left = segment
+            entry.update(option=name, segment=first)
+            segment = (name, first, left - 1) if left > 1 else None
+        else:
+            entry["option"] = profiled.names[i][k]
+        out.append(entry)
+    return out
+
+
 def measured_peak(
     plan: Plan,
     model: nn.Module,
@@ -363,6 +507,8 @@ def measured_peak(
         finally:
             for block in blocks:
                 undo_option(block)
+            for paths in segments(plan.blocks):
+                undo_segment(model, paths)
             plan.policies = []  # what report() counts starts at the user's own apply
 
 
@@ -375,7 +521,8 @@ def solve_measured(
     attempts: int = 4,
 ) -> Plan:
     """:func:`solve`, then one measured step of the plan: where the measured peak is above
-    the budget (the model missed something), solve again on a budget smaller by the excess.
+    the budget (the model missed something), solve again for plans predicted below the budget
+    by as much as the model understated this one.
 
     The plan keeps the model's prediction (``predicted_peak``) and records the measurement
     (``measured["verified_peak"]``) and how many solves it took.
@@ -397,7 +544,9 @@ def solve_measured(
         peak = measured_peak(result, model, example_inputs, loss_fn)
         if peak <= budget_bytes:
             break
-        target = result.budget - (peak - budget_bytes)
+        # The model understated this plan's peak by (peak - predicted): the next plan must be
+        # predicted that much below the budget, which excludes this one.
+        target = min(result.budget, result.predicted_peak) - (peak - budget_bytes)
         if target <= 0 or attempt == attempts:
             raise RematError(
                 f"remat.plan: the fastest plan within {fmt_bytes(budget_bytes)} ({budget!r}) "

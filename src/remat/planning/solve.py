@@ -35,13 +35,24 @@ the start, each block takes its ``L`` out of it, never below zero), so every con
 the state. Both axes live on grids (1/1024 and 1/64 of the budget by default), rounded to
 the nearest; an answer the exact model puts over the budget is solved again on a tighter
 budget, so what the DP returns always fits, and it is the fastest on its grid.
+
+NOTE [ Segments ]
+
+An option may cover several consecutive blocks (``span > 1``): a segment, run as one region
+that keeps only its input and recomputes all of its blocks together in backward, as
+``torch.utils.checkpoint.checkpoint_sequential`` does. Its ``kept`` is what the whole
+segment holds, ``backward`` its peak while the segment's backward runs (its blocks' recomputed
+activations at once), and the peak constraint at its backward takes the largest ``G_i`` of the
+blocks it covers. The DP then keeps a state per block boundary, and a segment moves from
+boundary ``i`` to ``i + span``; an assignment lists one option index per block, ``-1`` for the
+blocks a segment started earlier covers.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,6 +224,7 @@ class ChainOption:
     backward: int  # bytes needed during its backward above the level before its forward
     seconds: float  # step time added over a plain block
     left: int = 0  # bytes still held after its backward, until the step's backward ends
+    span: int = 1  # blocks it covers: more than one for a segment (see [ Segments ])
 
 
 @dataclass(frozen=True)
@@ -226,20 +238,33 @@ class ChainCosts:
     # between the blocks keep, skip tensors, gradients), on top of ``before``; none when empty.
     gaps: tuple[int, ...] = ()
 
-    def gap(self, i: int) -> int:
-        return self.gaps[i] if i < len(self.gaps) else 0
+    def gap(self, i: int, span: int = 1) -> int:
+        """The largest ``G`` of blocks ``i`` to ``i + span - 1``."""
+        return max((self.gaps[j] for j in range(i, min(i + span, len(self.gaps)))), default=0)
+
+
+def chosen(blocks: Sequence[Sequence[ChainOption]], picks: Sequence[int]) -> list[ChainOption]:
+    """The options an assignment picks, in forward order (blocks a segment covers skipped)."""
+    return [blocks[i][k] for i, k in enumerate(picks) if k >= 0]
 
 
 def chain_peak(costs: ChainCosts, options: Sequence[ChainOption]) -> int:
-    """The predicted peak of one assignment (see [ The chain DP ])."""
+    """The predicted peak of one assignment's options in forward order (see [ The chain DP ])."""
     prefix = 0
     left = sum(o.left for o in options)
     peak = costs.tail + left
-    for i, o in enumerate(options):
+    i = 0
+    for o in options:
         left -= o.left
-        peak = max(peak, costs.before + costs.gap(i) + prefix + o.backward + left)
+        peak = max(peak, costs.before + costs.gap(i, o.span) + prefix + o.backward + left)
         prefix += o.kept
+        i += o.span
     return max(peak, costs.head + prefix)
+
+
+def _singles(blocks: Sequence[Sequence[ChainOption]]) -> list[list[int]]:
+    """Per block, the indices of its options that cover it alone."""
+    return [[k for k, o in enumerate(opts) if o.span == 1] for opts in blocks]
 
 
 def chain_dp(
@@ -249,21 +274,25 @@ def chain_dp(
     grid: int = 1024,
     rgrid: int = 64,
 ) -> list[int] | None:
-    """The fastest assignment (one option index per block) whose predicted peak fits
-    ``budget``, or ``None`` (see [ The chain DP ]). The prefix sums live on a grid of
-    ``budget / grid`` bytes, rounded to the nearest; an answer the exact model puts over the
-    budget is solved again on a tighter budget, so what is returned always fits."""
+    """The fastest assignment (one option index per block, ``-1`` where a segment covers it)
+    whose predicted peak fits ``budget``, or ``None`` (see [ The chain DP ]). The prefix sums
+    live on a grid of ``budget / grid`` bytes, rounded to the nearest; an answer the exact model
+    puts over the budget is solved again on a tighter budget, so what is returned always
+    fits."""
     if not blocks:
         return [] if max(costs.head, costs.tail) <= budget else None
-    fastest = [min(range(len(opts)), key=lambda k: opts[k].seconds) for opts in blocks]
-    if chain_peak(costs, [blocks[i][k] for i, k in enumerate(fastest)]) <= budget:
+    fastest = [
+        min(ks, key=lambda k: opts[k].seconds)
+        for opts, ks in zip(blocks, _singles(blocks), strict=True)
+    ]
+    if chain_peak(costs, chosen(blocks, fastest)) <= budget:
         return fastest  # nothing to trade: the grid's rounding must not cost time here
     target = budget
     for _ in range(8):
         picks = _chain_dp_grid(costs, blocks, target, budget, grid, rgrid)
         if picks is None:
             return None
-        peak = chain_peak(costs, [blocks[i][k] for i, k in enumerate(picks)])
+        peak = chain_peak(costs, chosen(blocks, picks))
         if peak <= budget:
             return picks
         target -= max(peak - budget, budget // grid)
@@ -292,49 +321,67 @@ def _chain_dp_grid(
     if costs.tail > target or target <= 0:
         return None
     inf = math.inf
-    best = np.full((size, rsize), inf)
+    n = len(blocks)
     reserve = np.arange(rsize) * runit
-    best[0, :] = np.where(costs.tail + reserve <= target, 0.0, inf)
     prefix = (np.arange(size) * unit)[:, None]
-    choices: list[Any] = []
+    # best[t]: the least time to boundary t (blocks before t done) in each state; a segment
+    # moves from boundary i to i + span (see [ Segments ]).
+    best: list[Any] = [np.full((size, rsize), inf) for _ in range(n + 1)]
+    best[0][:, :] = np.where(costs.tail + reserve <= target, 0.0, inf)[None, :]
+    best[0][1:, :] = inf
+    pick = [np.full((size, rsize), -1, dtype=np.int64) for _ in range(n + 1)]
+    start = [np.full((size, rsize), -1, dtype=np.int64) for _ in range(n + 1)]
     for i, options in enumerate(blocks):
-        nxt = np.full((size, rsize), inf)
-        pick = np.full((size, rsize), -1, dtype=np.int64)
+        here = best[i]
+        if not np.isfinite(here).any():
+            continue
         for k, o in enumerate(options):
+            t = i + o.span
             step = round(o.kept / unit)
             rstep = round(o.left / runit) if rsize > 1 else 0
-            if step >= size or rstep >= rsize:
+            if t > n or step >= size or rstep >= rsize:
                 continue
             after = reserve[None, :] - rstep * runit  # reserved for the blocks after this one
-            allowed = costs.before + costs.gap(i) + prefix + o.backward + after <= target
-            value = np.where(allowed, best + o.seconds, inf)
+            gap = costs.gap(i, o.span)
+            allowed = costs.before + gap + prefix + o.backward + after <= target
+            value = np.where(allowed, here + o.seconds, inf)
             src = value[: size - step, rstep:]
-            dst = nxt[step:, : rsize - rstep]
+            dst = best[t][step:, : rsize - rstep]
             better = src < dst
             dst[better] = src[better]
-            pick[step:, : rsize - rstep][better] = k
-        choices.append(pick)
-        best = nxt
-    final = np.where(costs.head + prefix <= target, best, inf)
+            pick[t][step:, : rsize - rstep][better] = k
+            start[t][step:, : rsize - rstep][better] = i
+    final = np.where(costs.head + prefix <= target, best[n], inf)
     end = np.unravel_index(int(np.argmin(final)), final.shape)
     if not math.isfinite(final[end]):
         return None
-    picks: list[int] = []
-    p, r = int(end[0]), int(end[1])
-    for options, pick in zip(reversed(blocks), reversed(choices), strict=True):
-        k = int(pick[p, r])
-        picks.append(k)
-        p -= round(options[k].kept / unit)
-        r += round(options[k].left / runit) if rsize > 1 else 0
-    return picks[::-1]
+    picks = [-1] * n
+    p, r, t = int(end[0]), int(end[1]), n
+    while t > 0:
+        k, i = int(pick[t][p, r]), int(start[t][p, r])
+        picks[i] = k
+        p -= round(blocks[i][k].kept / unit)
+        r += round(blocks[i][k].left / runit) if rsize > 1 else 0
+        t = i
+    return picks
 
 
 def chain_brute_force(
     costs: ChainCosts, blocks: Sequence[Sequence[ChainOption]], budget: int
 ) -> float | None:
-    """The fastest feasible assignment's time by enumeration (tests only)."""
+    """The fastest feasible assignment's time by enumeration, segments included (tests only)."""
+
+    def tilings(i: int) -> Iterator[list[ChainOption]]:
+        if i == len(blocks):
+            yield []
+            return
+        for o in blocks[i]:
+            if i + o.span <= len(blocks):
+                for rest in tilings(i + o.span):
+                    yield [o, *rest]
+
     best: float | None = None
-    for combo in itertools.product(*blocks):
+    for combo in tilings(0):
         if chain_peak(costs, combo) <= budget:
             t = sum(o.seconds for o in combo)
             best = t if best is None else min(best, t)
@@ -345,17 +392,22 @@ def chain_greedy(
     costs: ChainCosts, blocks: Sequence[Sequence[ChainOption]], budget: int
 ) -> list[int] | None:
     """The baseline: start from each block's fastest option and repeatedly take the change
-    that saves the most peak bytes per second added, until the chain fits."""
-    picks = [min(range(len(opts)), key=lambda k: opts[k].seconds) for opts in blocks]
+    that saves the most peak bytes per second added, until the chain fits (options of one block
+    only: no segments)."""
+    singles = _singles(blocks)
+    picks = [
+        min(ks, key=lambda k: opts[k].seconds) for opts, ks in zip(blocks, singles, strict=True)
+    ]
 
     def peak(p: list[int]) -> int:
-        return chain_peak(costs, [blocks[i][k] for i, k in enumerate(p)])
+        return chain_peak(costs, chosen(blocks, p))
 
     current = peak(picks)
     while current > budget:
         move: tuple[float, int, int] | None = None
         for i, opts in enumerate(blocks):
-            for k, o in enumerate(opts):
+            for k in singles[i]:
+                o = opts[k]
                 trial = [*picks[:i], k, *picks[i + 1 :]]
                 saved = current - peak(trial)
                 if saved <= 0:

@@ -1,0 +1,227 @@
+"""Segments: several blocks run as one region that recomputes everything in backward (see
+[ Segments ] in planning/solve.py and [ Segments on the model ] in planning/apply.py)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import remat
+from remat import _state
+from remat.bench.measure import peak_step_bytes
+from remat.planning.apply import apply_segment, undo_segment
+
+from helpers import assert_records_equal, counting_ops, train
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise ValueError("a block failed")
+        return x + self.drop(self.fc2(torch.relu(self.fc1(x))))
+
+
+class _Chain(nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(_Block() for _ in range(n)))
+        self.head = nn.Linear(64, 8)
+        self.stop_after: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if self.stop_after is not None and i > self.stop_after:
+                break
+            x = block(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def _model() -> _Chain:
+    torch.manual_seed(0)
+    return _Chain().train()
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).square().mean()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(32, 64, generator=g), torch.randn(32, 8, generator=g)) for _ in range(2)]
+
+
+_PATHS = ["blocks.1", "blocks.2", "blocks.3"]
+
+
+def test_a_segment_is_exact_with_dropout() -> None:
+    model = _model()
+    segmented = copy.deepcopy(model)
+    apply_segment(segmented, _PATHS)
+    assert_records_equal(train(model, _batches(), _loss), train(segmented, _batches(), _loss))
+
+
+def _backward_ops(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> dict[str, int]:
+    torch.manual_seed(0)
+    loss = _loss(model(x), target)
+    with counting_ops() as ops:
+        loss.backward()  # type: ignore[no-untyped-call]
+    return ops.counts
+
+
+def test_a_segment_recomputes_its_blocks_once_as_torch_checkpoint_does() -> None:
+    """Backward runs the same ATen ops, as often, as torch's checkpoint around the same blocks
+    (one segment, as ``checkpoint_sequential`` makes): replayed once, not once per block."""
+    x, target = _batches()[0]
+    model = _model()
+    segmented = copy.deepcopy(model)
+    apply_segment(segmented, _PATHS)
+
+    class _Torch(nn.Module):
+        def __init__(self, m: _Chain) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.m.blocks[0](x)
+            tail = nn.Sequential(*self.m.blocks[1:])
+            x = checkpoint(tail, x, use_reentrant=False)
+            out: torch.Tensor = self.m.head(x)
+            return out
+
+    plain = _backward_ops(model, x, target)
+    ours = _backward_ops(segmented, x, target)
+    torchs = _backward_ops(_Torch(copy.deepcopy(model)), x, target)
+    for op in ("mm", "addmm", "relu", "bernoulli_"):
+        assert ours.get(op, 0) <= torchs.get(op, 0), (op, ours, torchs)
+    # The three blocks' forward once more (two linears and a relu each; dropout's draws),
+    # but for the last block's second linear: its output is not needed by backward, and the
+    # graph engine replays only what backward reads (torch's checkpoint runs it too).
+    assert ours["addmm"] - plain.get("addmm", 0) == 5
+    assert torchs["addmm"] - plain.get("addmm", 0) == 6
+    assert ours["relu"] - plain.get("relu", 0) == 3
+
+
+def _peak(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> int:
+    def step() -> None:
+        torch.manual_seed(0)
+        _loss(model(x), target).backward()  # type: ignore[no-untyped-call]
+
+    step()
+    return peak_step_bytes(step, torch.device("cpu"))
+
+
+def test_a_segment_keeps_its_input_where_regions_keep_each_blocks() -> None:
+    """After forward, a segment of three blocks holds its input (and its random-generator
+    state); the same blocks as three regions hold three inputs and three states."""
+    from remat.planning.cost import measure_memory
+
+    torch.manual_seed(0)
+    chain = nn.Sequential(*(_Block() for _ in range(3))).train()
+    x = torch.randn(512, 64, requires_grad=True)
+    segment, regions = copy.deepcopy(chain), copy.deepcopy(chain)
+    apply_segment(segment, ["0", "1", "2"])
+    for block in regions:
+        remat.checkpoint_wrapper(block)
+    cpu = torch.device("cpu")
+    plain_kept, plain_backward, _ = measure_memory(chain, ((x,), {}), cpu)
+    kept, backward, _ = measure_memory(segment, ((x,), {}), cpu)
+    region_kept, region_backward, _ = measure_memory(regions, ((x,), {}), cpu)
+    input_bytes = x.numel() * x.element_size()
+    state = kept - input_bytes  # the segment's generator state
+    assert 0 < state < input_bytes // 8
+    assert region_kept == 3 * (input_bytes + state)
+    assert kept < region_kept < plain_kept
+    # It pays in backward: its three blocks' activations live at once, as in a plain chain.
+    assert region_backward < backward and abs(backward - plain_backward) < input_bytes
+    undo_segment(segment, ["0", "1", "2"])
+    assert measure_memory(segment, ((x,), {}), cpu)[0] == plain_kept
+
+
+def test_an_error_inside_a_segment_closes_its_region() -> None:
+    model = _model()
+    segmented = copy.deepcopy(model)
+    apply_segment(segmented, _PATHS)
+    segmented.blocks[2].fail = True  # type: ignore[union-attr]
+    x, _ = _batches()[0]
+    with pytest.raises(ValueError, match="a block failed"):
+        segmented(x)
+    assert _state.state.graph is None
+    segmented.blocks[2].fail = False  # type: ignore[union-attr]
+    # The next steps are exact, and autograd outside the model saves tensors as usual.
+    assert_records_equal(train(model, _batches(), _loss), train(segmented, _batches(), _loss))
+    a = torch.randn(3, requires_grad=True)
+    (a * a).sum().backward()  # type: ignore[no-untyped-call]
+    assert a.grad is not None and torch.equal(a.grad, 2 * a.detach())
+
+
+def test_a_forward_that_stops_before_the_last_block_closes_the_region_at_its_end() -> None:
+    model = _model()
+    segmented = copy.deepcopy(model)
+    apply_segment(segmented, _PATHS)
+    for m in (model, segmented):
+        m.stop_after = 2
+    x, _ = _batches()[0]
+    out = segmented(x)
+    assert _state.state.graph is None
+    del out
+    assert_records_equal(train(model, _batches(), _loss), train(segmented, _batches(), _loss))
+
+
+def test_no_grad_and_disabled_checkpointing_run_plainly() -> None:
+    model = _model()
+    apply_segment(model, _PATHS)
+    x, _ = _batches()[0]
+    seen: list[Any] = []
+    hook = model.blocks[2].register_forward_hook(  # type: ignore[union-attr]
+        lambda *_: seen.append(_state.state.graph)
+    )
+    with torch.no_grad():
+        model(x)
+    with remat.disable_checkpointing():
+        model(x).sum().backward()
+    model(x).sum().backward()
+    hook.remove()
+    assert seen[:2] == [None, None] and seen[2] is not None
+
+
+def test_a_plan_with_segments_is_exact_saved_and_loaded(tmp_path: Any) -> None:
+    """Where each block's input is much of what it keeps (an MLP block: linear, GELU,
+    dropout, LayerNorm), the planner's smallest plan uses segments; the plan is exact, its
+    peak the predicted one, and it survives a JSON file."""
+    from remat.planning.planner import _smallest, profile_model, solve
+    from remat.workloads.mlp import MLPBlock
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(MLPBlock(128, 0.1) for _ in range(8))).train()
+    x, target = torch.randn(128, 128), torch.randn(128, 128)
+    profiled = profile_model(model, x, lambda o: _loss(o, target), repeats=0)
+    plan = solve(profiled, _smallest(profiled.costs, profiled.chain))
+    assert any("segment" in b for b in plan.blocks), plan.summary()
+    plan.save(tmp_path / "plan.json")
+    loaded = remat.Plan.load(tmp_path / "plan.json")
+    assert loaded.blocks == plan.blocks
+    planned = loaded.apply(copy.deepcopy(model))
+    measured = _peak(planned, x, target)
+    assert abs(measured - plan.predicted_peak) <= 0.03 * measured, plan.summary()
+    assert measured <= plan.budget
+    # Without segments (the same options, one block each) the smallest plan is larger.
+    singles = copy.copy(profiled)
+    singles.chain = [[o for o in opts if o.span == 1] for opts in profiled.chain]
+    assert _smallest(singles.costs, singles.chain) > plan.predicted_peak
+    batches = [(x, target), (x, target)]
+    assert_records_equal(
+        train(copy.deepcopy(model), batches, _loss), train(planned, batches, _loss)
+    )
