@@ -230,3 +230,86 @@ def test_offload_measurement_runs_and_reports() -> None:
     assert rss["rss_peak_bytes"] >= rss["rss_before_bytes"] > 0
     text = offload.report({"size": "small", "rss": {"none": rss}, "io": io})
     assert "disk tier, gpt-small" in text and "ratio" in text
+
+
+def test_budgets_take_fractions_and_the_word_torch() -> None:
+    from remat.cli import _budgets
+
+    run = ["none", "torch-block", "remat-block", "torch-every-2"]
+    assert _budgets("0.5,torch", run) == [
+        "remat-auto@50%",
+        "remat-auto@torch-block",
+        "remat-auto@torch-every-2",
+    ]
+    assert _budgets("0.75,0.25", run) == ["remat-auto@75%", "remat-auto@25%"]
+    with pytest.raises(remat.RematError, match=r"got 'tourch' \(did you mean 'torch'\?\)"):
+        _budgets("0.5,tourch", run)
+    with pytest.raises(remat.RematError, match="the run has no torch strategy"):
+        _budgets("torch", ["none", "remat-block"])
+
+
+def test_a_planned_strategy_at_a_torch_peak_is_compared_with_that_torch_strategy() -> None:
+    entry = get_strategy("remat-auto@torch-every-2")
+    assert entry.counterpart == "torch-every-2" and "torch-every-2's measured peak" in (
+        entry.description
+    )
+    with pytest.raises(remat.RematError, match="unknown strategy 'torch-blok'"):
+        get_strategy("remat-auto@torch-blok")
+    # Its budget is a peak measured in the same run: outside remat bench there is none.
+    workload = get_workload("mlp", "small")
+    with pytest.raises(remat.RematError, match="planned at the peak remat bench measures"):
+        get_strategy("remat-auto@torch-block").prepare(workload.model(), workload)
+
+
+def test_a_planned_strategy_is_timed_next_to_its_torch_strategy() -> None:
+    names = ["none", "torch-block", "remat-block", "remat-graph-all", "remat-auto@torch-block"]
+    order = measure._adjacent([*names, "remat-auto@50%"])
+    block = order.index("torch-block")
+    assert order[block - 1] == "remat-auto@torch-block" and order[block + 1] == "remat-block"
+
+
+@pytest.mark.parametrize(
+    ("planned_peak", "ratio", "expected"),
+    [
+        (90, 0.90, "dominates"),
+        (100, 0.94, "dominates"),  # the same memory counts as no more
+        (90, 0.96, "ties (within the control)"),
+        (90, 1.04, "ties (within the control)"),
+        (90, 1.06, "slower"),
+        (101, 0.50, "more memory"),
+    ],
+)
+def test_verdict(planned_peak: int, ratio: float, expected: str) -> None:
+    assert report.verdict(planned_peak, 100, ratio, spread=0.05) == expected
+
+
+def test_dominance_lines_follow_the_rows() -> None:
+    mib = 2**20
+    rows = [
+        report.Row("none", "plain", 100 * mib, 1.0, 1.0, 1.0, True),
+        report.Row("torch-block", "t", 20 * mib, 0.2, 1.5, 1.5, True),
+        report.Row("torch-every-2", "t", 60 * mib, 0.6, 1.2, 1.2, True),
+        report.Row(
+            "remat-auto@torch-block", "p", 22 * mib, 0.22, 1.4, 1.4, True, "torch-block", 0.9,
+            budget_bytes=22.0 * mib, budget_feasible=False, no_plan="remat.plan: no plan fits",
+        ),
+        report.Row(
+            "remat-auto@torch-every-2", "p", 55 * mib, 0.55, 1.1, 1.1, True, "torch-every-2",
+            0.92, budget_bytes=60.0 * mib, budget_feasible=True,
+        ),
+    ]  # fmt: skip
+    found = report.dominance(rows, control_ratio=0.97)
+    assert [(d.torch, d.verdict) for d in found] == [
+        ("torch-block", "no plan fits"),
+        ("torch-every-2", "dominates"),
+    ]
+    assert found[0].smallest_budget_bytes == 22.0 * mib and found[1].smallest_budget_bytes is None
+    assert found[1].control_spread == pytest.approx(0.03)
+    result = report.Result("gpt-small", "a GPT", "cpu", 3, 0, 3, rows, {}, dominance=found)
+    assert report.dominance_lines(result) == [
+        "torch-block 20.00 MiB: no plan fits; the smallest budget that fits is 22.00 MiB "
+        "(remat-auto@torch-block 22.00 MiB, time vs torch-block 0.900, planned at that budget)",
+        "torch-every-2 60.00 MiB: remat-auto@torch-every-2 55.00 MiB, time vs torch-every-2 "
+        "0.920 (control +-0.030): dominates",
+    ]
+    assert result.to_json()["dominance"][1]["verdict"] == "dominates"

@@ -93,6 +93,43 @@ def test_step_times_run_with_glibc_thresholds_fixed_unless_asked_for_the_system_
     assert envs[("memory", "cached")]["MALLOC_MMAP_THRESHOLD_"] == "65536"
 
 
+def test_bench_plans_at_each_torch_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "r.json"
+    code, out, err = _run(
+        capsys,
+        "bench",
+        "--size", "small",
+        "--strategies", "torch-block",
+        "--budgets", "torch",
+        "--rounds", "1",
+        "--json", str(out_json),
+        "--plot", str(tmp_path / "r.png"),
+    )  # fmt: skip
+    assert code == 0, err
+    # The torch strategy's memory is measured before the plan at its peak is made.
+    progress = [
+        line.split("] ")[1].split(":")[0] for line in out.splitlines() if line.startswith("[")
+    ]
+    assert progress[:4] == [
+        "memory of none",
+        "memory of torch-block",
+        "remat.plan",
+        "memory of remat-auto@torch-block",
+    ]
+    data = json.loads(out_json.read_text())
+    rows = {r["strategy"]: r for r in data["rows"]}
+    planned, torch_block = rows["remat-auto@torch-block"], rows["torch-block"]
+    assert planned["budget_feasible"] and planned["budget_bytes"] == torch_block["peak_bytes"]
+    assert planned["peak_bytes"] <= torch_block["peak_bytes"] and planned["grads_equal"]
+    assert planned["counterpart"] == "torch-block"
+    (found,) = data["dominance"]
+    assert found["torch"] == "torch-block" and found["planned"] == "remat-auto@torch-block"
+    assert found["time_ratio"] == planned["counterpart_time_ratio"]
+    assert found["control_spread"] == pytest.approx(abs(data["control_time_ratio"] - 1))
+    assert found["verdict"] in ("dominates", "ties (within the control)", "slower")
+    assert f"(control +-{found['control_spread']:.3f}): {found['verdict']}" in out
+
+
 BAD: list[tuple[list[str], str]] = [
     (["--workload", "gtp"], "unknown workload 'gtp' (did you mean 'gpt'?)"),
     (["--size", "huge"], "unknown size 'huge'"),
@@ -106,6 +143,10 @@ BAD: list[tuple[list[str], str]] = [
     (["--offload", "--workload", "mlp"], "--offload: measures the gpt workload"),
     (["--offload", "--rounds", "0"], "--offload: --rounds must be at least 1"),
     (["--pipeline", "--processes", "2"], "--pipeline and --offload measure in one process"),
+    (["--budgets", "0.5,tourch"], "--budgets takes fractions in (0, 1] of the plain step's"),
+    (["--strategies", "none,remat-block", "--budgets", "torch"], "the run has no torch strategy"),
+    (["--strategies", "remat-auto@torch-block"], "torch-block is not in the run; add it"),
+    (["--strategies", "torch-block,remat-auto@torch-blok"], "unknown strategy 'torch-blok'"),
 ]
 
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import RematError
+from .errors import RematError, did_you_mean
 
 __all__: list[str] = []
 
 
-_DEFAULT_BUDGETS = "0.75,0.5,0.25"
+_DEFAULT_BUDGETS = "0.75,0.5,0.25,torch"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +46,10 @@ def _parser() -> argparse.ArgumentParser:
         "--budgets",
         help="comma-separated memory budgets as fractions of the plain step's activation peak "
         "(e.g. 0.5,0.25,0.1): adds a remat-auto@50%%-style strategy per budget, planned by "
-        "remat.plan in each measuring process, with its prediction next to the measurement "
+        "remat.plan from one profile, with its prediction next to the measurement; the word "
+        "torch adds remat-auto@torch-block-style strategies, one per torch strategy of the run, "
+        "planned at its measured peak and timed against it, with a line after the table on "
+        "whether the planned point dominates the torch one "
         f"(default: {_DEFAULT_BUDGETS} when --strategies is not given, else none)",
     )
     bench.add_argument("--rounds", type=int, default=7, help="timed rounds (default: 7)")
@@ -151,7 +154,8 @@ def _bench(args: argparse.Namespace) -> int:
     budgets = args.budgets
     if budgets is None and not args.strategies:
         budgets = _DEFAULT_BUDGETS
-    strategies += _budgets(budgets)
+    strategies = list(dict.fromkeys(strategies + _budgets(budgets, strategies)))
+    _check_matched(strategies)
     if args.device not in ("cpu", "cuda"):
         raise RematError(f"remat bench: --device must be cpu or cuda, got {args.device!r}.")
     if args.device == "cuda":
@@ -199,12 +203,7 @@ def _bench(args: argparse.Namespace) -> int:
             f"in {result.processes} timing process{'es' if result.processes > 1 else ''}); time "
             "ratios no farther from 1 than this one are within this run's noise"
         )
-    for r in result.rows:
-        if r.plan_seconds is not None and r.solve_seconds is not None:
-            print(
-                f"{r.strategy}: planned in {r.plan_seconds:.1f} s (solve {r.solve_seconds:.2f} s) "
-                "in the memory process"
-            )
+    _print_planning(result)
     faults = ", ".join(f"{r.strategy} {r.faults_per_step:,.0f}" for r in result.rows)
     print(f"minor page faults per step ({result.allocator} allocator): {faults}")
     if result.contended_rounds:
@@ -212,10 +211,27 @@ def _bench(args: argparse.Namespace) -> int:
             f"note: other processes competed for the CPU in {result.contended_rounds} of "
             f"{result.rounds} timed rounds; {result.used_rounds} rounds were used."
         )
+    if result.dominance:
+        print("the planner at each torch strategy's measured peak (time: paired median ratio):")
+        for line in report.dominance_lines(result):
+            print(f"  {line}")
     report.write_json(result, json_path)
     report.write_plot(result, plot_path)
     print(f"wrote {json_path} and {plot_path}")
     return 0
+
+
+def _print_planning(result: Any) -> None:
+    timed = [
+        f"{r.strategy} {r.plan_seconds:.1f} s (solve {r.solve_seconds:.2f} s)"
+        for r in result.rows
+        if r.plan_seconds is not None and r.solve_seconds is not None
+    ]
+    if timed and result.profile_seconds is not None:
+        print(
+            f"remat.plan: one profile in {result.profile_seconds:.1f} s, then per budget a "
+            f"solve and a measured check, in their own process: {', '.join(timed)}"
+        )
 
 
 def _pipeline(args: argparse.Namespace) -> int:
@@ -255,50 +271,123 @@ def _run(
     name: str,
     progress: bool,
 ) -> Any:
+    """Memory of each strategy, then plans for the planned ones (``remat-auto@...``, whose
+    budgets may be measured peaks) and their memory, then step times; the results."""
+    import tempfile
+
     from rich.progress import Progress
 
-    from .bench import measure
-    from .bench.report import Result, Row
-    from .bench.strategies import get_strategy
+    from .bench.strategies import AUTO
 
     names = ["none", *[s for s in strategies if s != "none"]]
-    memory: dict[str, dict[str, Any]] = {}
+    planned = [s for s in names if s.startswith(AUTO)]
     overhead = any(s.startswith("remat-graph") for s in names)
+    total = len(names) + bool(planned) + processes + overhead
     # A bar on a terminal; in a log (stdout not a terminal) one line per finished measurement.
-    lines = _Lines(len(names) + processes + overhead) if progress and not _terminal() else None
-    with Progress(disable=not progress or lines is not None, transient=True) as bar:
-        task = bar.add_task("memory", total=len(names) + 1)
-        for s in names:
-            bar.update(task, description=f"memory: {s}")
-            memory[s] = _subprocess({**base, "kind": "memory", "strategy": s})
+    lines = _Lines(total) if progress and not _terminal() else None
+    with (
+        Progress(disable=not progress or lines is not None, transient=True) as bar,
+        tempfile.TemporaryDirectory(prefix="remat-bench-") as directory,
+    ):
+        task = bar.add_task("memory", total=total)
+
+        def step(what: str) -> None:
+            bar.update(task, description=what)
+
+        def done(what: str) -> None:
             bar.advance(task)
             if lines is not None:
-                peak = memory[s]["peak_bytes"]
-                lines.done(f"memory of {s}: peak {peak / 2**20:,.1f} MiB")
-        bar.update(
-            task,
-            description=f"step times: {processes} x {rounds} rounds x {len(names)} strategies",
-        )
-        request = {**base, "kind": "time", "strategies": names, "rounds": rounds}
-        timed = []
-        for process in range(processes):
-            timed.extend(_subprocess(request)["timed_rounds"])
-            if lines is not None:
-                lines.done(
-                    f"step times, timing process {process + 1} of {processes}: {rounds} "
-                    f"round{'s' if rounds > 1 else ''} x {len(names)} strategies"
-                )
-        timing = measure.summarize(names, timed)
+                lines.done(what)
+
+        memory = _memories(base, [s for s in names if s not in planned], step, done)
+        if planned:
+            plans = _plans(base, planned, memory, Path(directory), step, done)
+            base = {**base, "plans_file": plans}
+            memory.update(_memories(base, planned, step, done))
+        timing = _times(base, names, rounds, processes, step, done)
         if overhead:
             # On the small size of the workload: the engine's per-op cost, not kernel noise.
-            small = {**base, "size": "small", "kind": "overhead"}
-            timing.update(_subprocess(small))
-            if lines is not None:
-                lines.done("graph engine recording and replay overhead")
-        bar.advance(task)
+            step("graph engine overhead")
+            timing.update(_subprocess({**base, "size": "small", "kind": "overhead"}))
+            done("graph engine recording and replay overhead")
+    return _result(base, names, memory, timing, workload, name, processes)
+
+
+def _memories(
+    base: dict[str, Any],
+    names: list[str],
+    step: Callable[[str], None],
+    done: Callable[[str], None],
+) -> dict[str, dict[str, Any]]:
+    """Each strategy's memory measurement, each in a fresh process."""
+    memory = {}
+    for s in names:
+        step(f"memory: {s}")
+        memory[s] = _subprocess({**base, "kind": "memory", "strategy": s})
+        done(f"memory of {s}: peak {memory[s]['peak_bytes'] / 2**20:,.1f} MiB")
+    return memory
+
+
+def _plans(
+    base: dict[str, Any],
+    planned: list[str],
+    memory: dict[str, dict[str, Any]],
+    directory: Path,
+    step: Callable[[str], None],
+    done: Callable[[str], None],
+) -> str:
+    """Plans for the planned strategies, from one profile in a fresh process, written to a file
+    in ``directory`` for the processes that measure and time them; the file's path."""
+    from .bench.strategies import budget_of
+
+    peaks = {s: int(m["peak_bytes"]) for s, m in memory.items()}
+    budgets = {s: budget_of(s, peaks) for s in planned}
+    step(f"remat.plan: {len(planned)} budgets")
+    plans = _subprocess({**base, "kind": "plan", "budgets": budgets})
+    path = directory / "plans.json"
+    path.write_text(json.dumps(plans))
+    done(f"remat.plan: one profile, {len(planned)} budget{'s' if len(planned) > 1 else ''}")
+    return str(path)
+
+
+def _times(
+    base: dict[str, Any],
+    names: list[str],
+    rounds: int,
+    processes: int,
+    step: Callable[[str], None],
+    done: Callable[[str], None],
+) -> dict[str, Any]:
+    """Step times of every strategy, in ``processes`` timing processes, pooled."""
+    from .bench import measure
+
+    step(f"step times: {processes} x {rounds} rounds x {len(names)} strategies")
+    request = {**base, "kind": "time", "strategies": names, "rounds": rounds}
+    timed = []
+    for process in range(processes):
+        timed.extend(_subprocess(request)["timed_rounds"])
+        done(
+            f"step times, timing process {process + 1} of {processes}: {rounds} "
+            f"round{'s' if rounds > 1 else ''} x {len(names)} strategies"
+        )
+    return measure.summarize(names, timed)
+
+
+def _result(
+    base: dict[str, Any],
+    names: list[str],
+    memory: dict[str, dict[str, Any]],
+    timing: dict[str, Any],
+    workload: Any,
+    name: str,
+    processes: int,
+) -> Any:
+    from .bench import report
+    from .bench.strategies import get_strategy
+
     plain = memory["none"]["peak_bytes"]
     rows = [
-        Row(
+        report.Row(
             strategy=s,
             description=get_strategy(s).description,
             peak_bytes=memory[s]["peak_bytes"],
@@ -317,10 +406,12 @@ def _run(
             budget_feasible=(
                 bool(memory[s]["budget_feasible"]) if "budget_feasible" in memory[s] else None
             ),
+            no_plan=memory[s].get("no_plan"),
         )
         for s in names
     ]
-    return Result(
+    profiles = [m["profile_seconds"] for m in memory.values() if "profile_seconds" in m]
+    return report.Result(
         workload=name,
         description=workload.description,
         device=base["device"],
@@ -336,6 +427,8 @@ def _run(
         control_time_range=(timing["control"]["low"], timing["control"]["high"]),
         processes=processes,
         round_seconds=[r["seconds"] for r in timing["timed_rounds"]],
+        profile_seconds=profiles[0] if profiles else None,
+        dominance=report.dominance(rows, timing["control"]["ratio"]),
     )
 
 
@@ -361,25 +454,54 @@ class _Lines:
         print(f"[{self.count}/{self.total}] {what} ({elapsed:.0f} s)", flush=True)
 
 
-def _budgets(text: str | None) -> list[str]:
-    """``remat-auto@...`` strategy names for ``--budgets``."""
-    from .bench.strategies import auto_name
+def _budgets(text: str | None, strategies: list[str]) -> list[str]:
+    """``remat-auto@...`` strategy names for ``--budgets``: ``remat-auto@50%`` for 0.5, and for
+    the word ``torch`` one ``remat-auto@torch-...`` per torch strategy of ``strategies``."""
+    from .bench.strategies import TORCH, auto_name, matched_name
 
     if not text:
         return []
     names = []
     for part in text.split(","):
-        try:
-            fraction = float(part)
-        except ValueError:
-            fraction = -1.0
-        if not 0.0 < fraction <= 1.0:
+        if part.strip() != "torch":
+            names.append(auto_name(_fraction(part)))
+            continue
+        torches = [s for s in strategies if s.startswith(TORCH)]
+        if not torches:
             raise RematError(
-                f"remat bench: --budgets takes fractions in (0, 1] of the plain step's "
-                f"activation peak, separated by commas, e.g. 0.5,0.25,0.1; got {part!r}."
+                "remat bench: --budgets torch plans at each torch strategy's measured peak, but "
+                "the run has no torch strategy; add some to --strategies, e.g. "
+                "--strategies torch-block,torch-every-2."
             )
-        names.append(auto_name(fraction))
+        names += [matched_name(s) for s in torches]
     return names
+
+
+def _fraction(part: str) -> float:
+    try:
+        fraction = float(part)
+    except ValueError:
+        fraction = -1.0
+    if not 0.0 < fraction <= 1.0:
+        raise RematError(
+            f"remat bench: --budgets takes fractions in (0, 1] of the plain step's activation "
+            f"peak, or the word torch (each torch strategy's measured peak), separated by commas, "
+            f"e.g. 0.5,0.25,torch; got {part!r}{did_you_mean(part.strip(), ['torch'])}."
+        )
+    return fraction
+
+
+def _check_matched(strategies: list[str]) -> None:
+    """Each ``remat-auto@torch-...`` needs its torch strategy in the run, measured first."""
+    from .bench.strategies import matched_torch
+
+    for strategy in strategies:
+        torch_name = matched_torch(strategy)
+        if torch_name is not None and torch_name not in strategies:
+            raise RematError(
+                f"remat bench: {strategy} is planned at {torch_name}'s measured peak, but "
+                f"{torch_name} is not in the run; add it to --strategies."
+            )
 
 
 def _counterpart(name: str, names: list[str]) -> str | None:
@@ -405,7 +527,8 @@ def _subprocess(request: dict[str, Any]) -> dict[str, Any]:
     if request["kind"] == "memory":
         # Frees of large tensors go back to the system, for strategies measured by RSS.
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    elif request["kind"] == "time" and request.get("allocator") == "cached":
+    elif request["kind"] in ("time", "plan") and request.get("allocator") == "cached":
+        # The planner times its options in the conditions its plans are timed in.
         env.update(_CACHED_ALLOCATOR if request.get("device", "cpu") == "cpu" else {})
     return run_child("remat.bench.measure", request, f"the {request['kind']} measurement", env)
 

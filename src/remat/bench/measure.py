@@ -1,7 +1,7 @@
 """Measure one strategy's peak activation memory, and step times of several side by side.
 
 Run as ``python -m remat.bench.measure '<json request>'``: each request runs in a fresh
-process and prints one JSON line. Two kinds of request:
+process and prints one JSON line. The main kinds of request:
 
 ``memory``: build the workload, set it up with one strategy, take a warm-up step, then measure
 the peak of one steady-state step above the memory live just before it. On CUDA that is
@@ -20,6 +20,11 @@ round as contended; contended rounds are left out while enough clean ones remain
 faults of each step are counted too: on CPU, a step that takes fresh pages from the system pays
 for zeroing them, and how many it takes depends on what glibc kept from the steps before it,
 which is why ``remat bench`` runs this request with glibc's thresholds fixed (``cli.py``).
+
+``plan``: profile the workload's model once and plan each of ``budgets`` (strategy name ->
+budget) from that profile (``strategies.plan_budgets``). ``remat bench`` writes what it returns
+to a file and names the file as ``plans_file`` in the memory and time requests that follow, so
+that each planned strategy is measured and timed with the one plan it was given.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from torch import nn
 
 from .._dispatch import EagerMode
 from ..workloads import Workload, get_workload
-from .strategies import get_strategy
+from .strategies import PLANS, get_strategy, matched_torch, plan_budgets
 
 __all__: list[str] = []
 
@@ -135,9 +140,14 @@ def _adjacent(names: list[str]) -> list[str]:
     order: list[str] = []
 
     def place(name: str) -> None:
+        # The planned strategy at this one's measured peak goes on its other side, so that
+        # both it and the strategy that follows at the same granularity are next to it.
+        planned = [f for f in followers.get(name, []) if matched_torch(f) == name]
+        order.extend(planned)
         order.append(name)
         for follower in followers.get(name, []):
-            place(follower)
+            if follower not in planned:
+                place(follower)
 
     for root in roots:
         place(root)
@@ -392,6 +402,11 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
         workload = get_workload(request["workload"], request["size"])
     device = torch.device(request.get("device", "cpu"))
     seed = int(request.get("seed", 0))
+    if request.get("plans_file"):
+        with open(request["plans_file"]) as f:
+            PLANS.update(json.load(f))
+    if request["kind"] == "plan":
+        return plan_budgets(workload, request["budgets"], seed, device)
     if request["kind"] == "memory":
         return memory(workload, request["strategy"], seed, device)
     if request["kind"] == "overhead":

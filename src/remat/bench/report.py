@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,32 @@ class Row:
     counterpart_time_ratio: float | None = None
     faults_per_step: float = 0.0  # minor page faults of the process per timed step (median)
     # A planned strategy's prediction (``remat-auto@...``): peak bytes, time vs none, and the
-    # seconds its plan took in the memory process (profile and solve) and to solve alone.
+    # seconds its plan took after the shared profile (solve and measured check; see
+    # ``Result.profile_seconds``) and to solve alone.
     predicted_peak_bytes: float | None = None
     predicted_time_ratio: float | None = None
     plan_seconds: float | None = None
     solve_seconds: float | None = None
     budget_bytes: float | None = None  # the budget planned for
-    budget_feasible: bool | None = None  # False: below any plan; planned at the smallest
+    # False: no plan fits the budget asked for; planned at the budget the planner named
+    # instead (``budget_bytes``), and ``no_plan`` is the planner's message.
+    budget_feasible: bool | None = None
+    no_plan: str | None = None
+
+
+@dataclass(frozen=True)
+class Dominance:
+    """A torch strategy's point against the planner's at its measured peak
+    (``remat-auto@torch-...``): memories, the paired step-time ratio and the verdict."""
+
+    torch: str
+    planned: str
+    torch_peak_bytes: int
+    planned_peak_bytes: int
+    time_ratio: float | None  # the planned step over the torch step, paired median over rounds
+    control_spread: float  # the timing control's distance from 1
+    verdict: str  # see :func:`verdict`; "no plan fits" when none fits the torch peak
+    smallest_budget_bytes: float | None = None  # where no plan fits: the smallest that does
 
 
 @dataclass(frozen=True)
@@ -59,15 +78,85 @@ class Result:
     control_time_range: tuple[float, float] | None = None
     processes: int = 1  # timing processes whose rounds were pooled
     round_seconds: list[dict[str, float]] | None = None  # each round's step times, by strategy
+    profile_seconds: float | None = None  # remat.plan's one profile for all planned strategies
+    dominance: list[Dominance] = field(default_factory=list)  # one per remat-auto@torch-...
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def verdict(planned_peak: float, torch_peak: float, time_ratio: float, spread: float) -> str:
+    """How the planned point compares with the torch point at the same budget: ``more memory``
+    when its peak is above the torch peak; else ``dominates`` when its paired time ratio is
+    below 1 by more than the timing control's ``spread``, ``ties (within the control)`` when
+    it is within the spread of 1, ``slower`` when above."""
+    if planned_peak > torch_peak:
+        return "more memory"
+    if 1.0 - time_ratio > spread:
+        return "dominates"
+    if time_ratio - 1.0 <= spread:
+        return "ties (within the control)"
+    return "slower"
+
+
+def dominance(rows: list[Row], control_ratio: float | None) -> list[Dominance]:
+    """One :class:`Dominance` per ``remat-auto@torch-...`` row whose torch strategy is in
+    ``rows``, in the order of the rows."""
+    from .strategies import matched_torch
+
+    spread = abs(control_ratio - 1.0) if control_ratio is not None else 0.0
+    by_name = {r.strategy: r for r in rows}
+    found = []
+    for planned in rows:
+        torch_row = by_name.get(matched_torch(planned.strategy) or "")
+        if torch_row is None:
+            continue
+        ratio = planned.counterpart_time_ratio
+        feasible = planned.budget_feasible is not False
+        if not feasible:
+            judged = "no plan fits"
+        elif ratio is None:
+            judged = "not timed"
+        else:
+            judged = verdict(planned.peak_bytes, torch_row.peak_bytes, ratio, spread)
+        found.append(
+            Dominance(
+                torch=torch_row.strategy,
+                planned=planned.strategy,
+                torch_peak_bytes=torch_row.peak_bytes,
+                planned_peak_bytes=planned.peak_bytes,
+                time_ratio=ratio,
+                control_spread=spread,
+                verdict=judged,
+                smallest_budget_bytes=None if feasible else planned.budget_bytes,
+            )
+        )
+    return found
+
+
+def dominance_lines(result: Result) -> list[str]:
+    """The planned point at each torch strategy's measured peak, one line per torch strategy."""
+    lines = []
+    for d in result.dominance:
+        ratio = "not timed" if d.time_ratio is None else f"{d.time_ratio:.3f}"
+        torch_point = f"{d.torch} {d.torch_peak_bytes / MIB:,.2f} MiB"
+        point = f"{d.planned} {d.planned_peak_bytes / MIB:,.2f} MiB, time vs {d.torch} {ratio}"
+        if d.smallest_budget_bytes is not None:
+            lines.append(
+                f"{torch_point}: no plan fits; the smallest budget that fits is "
+                f"{d.smallest_budget_bytes / MIB:,.2f} MiB ({point}, planned at that budget)"
+            )
+        else:
+            lines.append(f"{torch_point}: {point} (control +-{d.control_spread:.3f}): {d.verdict}")
+    return lines
+
+
 def _predicted(row: Row) -> str:
     if row.predicted_peak_bytes is None or row.predicted_time_ratio is None:
         return ""
-    note = "" if row.budget_feasible is not False else " (budget below any plan)"
+    note = ""
+    if row.budget_feasible is False and row.budget_bytes is not None:
+        note = f" (no plan fits; smallest {row.budget_bytes / MIB:,.1f} MiB)"
     return f"{row.predicted_peak_bytes / MIB:,.1f} / {row.predicted_time_ratio:.2f}{note}"
 
 

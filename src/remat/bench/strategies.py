@@ -8,8 +8,9 @@ entries; the benchmark runs whatever is registered.
 from __future__ import annotations
 
 import functools
+import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -274,13 +275,19 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-# ``remat-auto@50%``: the planner at a budget, planned in the process that measures it.
+# ``remat-auto@50%``: remat.plan at a fraction of the plain step's peak activation memory.
+# ``remat-auto@torch-block``: at the peak ``remat bench`` measured for torch-block in the same
+# run, timed against torch-block.
 AUTO = "remat-auto@"
+TORCH = "torch-"
 
+# Plans handed to a measuring process by ``remat bench``, by strategy name: what
+# :func:`plan_budgets` returns for each, the plan as JSON under ``"plan"``. A fraction without
+# one is planned in the process that measures it.
+PLANS: dict[str, dict[str, Any]] = {}
 # What each planned model's plan predicted, by ``id(model)``, for the measuring process to
-# report next to what it measured; and each process's profile per workload, solved per budget.
-PREDICTED: dict[int, dict[str, float]] = {}
-_PROFILES: dict[tuple[str, str], Any] = {}
+# report next to what it measured.
+PREDICTED: dict[int, dict[str, Any]] = {}
 
 
 def auto_name(budget: float) -> str:
@@ -288,58 +295,118 @@ def auto_name(budget: float) -> str:
     return f"{AUTO}{budget * 100:g}%"
 
 
-def _auto(budget: str) -> Callable[[nn.Module, Workload], None]:
-    def prepare(model: nn.Module, workload: Workload) -> None:
-        import time
+def matched_name(torch_name: str) -> str:
+    """``remat-auto@torch-block`` for torch-block: planned at torch-block's measured peak."""
+    return f"{AUTO}{torch_name}"
 
-        from ..planning.planner import _smallest, profile_model, solve, solve_measured
 
-        inputs, target = workload.batch(0)
-        device = next(model.parameters()).device
-        inputs, target = inputs.to(device), target.to(device)
-        key = (workload.name, workload.size)
-        started = time.perf_counter()
-        if key not in _PROFILES:
-            _PROFILES[key] = profile_model(
-                model,
-                inputs,
-                lambda out: workload.loss_fn(out, target),
-                blocks=[name for name, _ in workload.blocks(model)],
-            )
-        profiled = _PROFILES[key]
+def matched_torch(name: str) -> str | None:
+    """The torch strategy at whose measured peak ``name`` is planned, or None."""
+    spec = name[len(AUTO) :] if name.startswith(AUTO) else ""
+    return spec if spec.startswith(TORCH) else None
 
-        def loss_fn(out: Any) -> torch.Tensor:
-            return workload.loss_fn(out, target)
 
-        try:
-            plan = solve_measured(profiled, budget, model, inputs, loss_fn)
-            feasible = 1.0
-        except RematError:
-            # Below what any plan fits: measure the plan at the smallest budget that fits.
-            plan = solve(profiled, _smallest(profiled.costs, profiled.chain))
-            feasible = 0.0
-        plan.apply(model)
-        PREDICTED[id(model)] = {
-            "budget_bytes": float(plan.budget),
-            "budget_feasible": feasible,
-            "predicted_peak_bytes": float(plan.predicted_peak),
-            "predicted_time_ratio": plan.predicted_seconds / max(plan.plain_seconds, 1e-12),
-            "plan_seconds": time.perf_counter() - started,
-            "solve_seconds": float(plan.solver["solve_seconds"]),
+def budget_of(name: str, peaks: Mapping[str, int]) -> str | int:
+    """The budget ``remat.plan`` gets for the planned strategy ``name``: its fraction
+    (``"50%"``), or the bytes ``peaks`` (measured peaks by strategy) holds for its torch
+    strategy."""
+    torch_name = matched_torch(name)
+    if torch_name is None:
+        return name[len(AUTO) :]
+    return int(peaks[torch_name])
+
+
+def _planning_inputs(
+    workload: Workload, seed: int, device: torch.device
+) -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor]]:
+    model = workload.model(seed).to(device)
+    inputs, target = (t.to(device) for t in workload.batch(seed))
+
+    def loss_fn(out: Any) -> torch.Tensor:
+        return workload.loss_fn(out, target)
+
+    return model, inputs, loss_fn
+
+
+def plan_budgets(
+    workload: Workload, budgets: Mapping[str, str | int], seed: int, device: torch.device
+) -> dict[str, dict[str, Any]]:
+    """Plans for ``budgets`` (strategy name -> budget), from one profile of the workload's model.
+
+    Each budget is solved and checked by one measured step (``solve_measured``), on a fresh
+    model. Where no plan fits, the plan is made at the budget the planner names instead, and
+    says so: ``budget_feasible`` 0, ``budget_bytes`` that budget, ``no_plan`` the planner's
+    message. Each entry also holds the plan as JSON (``plan``), its prediction, the seconds of
+    the shared profile (``profile_seconds``) and of its own solve and check (``plan_seconds``).
+    """
+    from ..planning.planner import profile_model
+
+    model, inputs, loss_fn = _planning_inputs(workload, seed, device)
+    started = time.perf_counter()
+    blocks = [name for name, _ in workload.blocks(model)]
+    profiled = profile_model(model, inputs, loss_fn, blocks=blocks)
+    profile_seconds = time.perf_counter() - started
+    return {
+        name: {
+            **_plan_at(profiled, budget, workload, seed, device),
+            "profile_seconds": profile_seconds,
         }
+        for name, budget in budgets.items()
+    }
+
+
+def _plan_at(
+    profiled: Any, budget: str | int, workload: Workload, seed: int, device: torch.device
+) -> dict[str, Any]:
+    from ..planning.planner import NoPlanFits, solve, solve_measured
+
+    model, inputs, loss_fn = _planning_inputs(workload, seed, device)
+    started = time.perf_counter()
+    outcome: dict[str, Any] = {"budget_feasible": 1.0}
+    try:
+        plan = solve_measured(profiled, budget, model, inputs, loss_fn)
+    except NoPlanFits as error:
+        plan = solve(profiled, error.smallest)
+        outcome = {"budget_feasible": 0.0, "no_plan": str(error)}
+    return {
+        "plan": plan.to_json(),
+        **outcome,
+        "budget_bytes": float(plan.budget),
+        "predicted_peak_bytes": float(plan.predicted_peak),
+        "predicted_time_ratio": plan.predicted_seconds / max(plan.plain_seconds, 1e-12),
+        "plan_seconds": time.perf_counter() - started,
+        "solve_seconds": float(plan.solver["solve_seconds"]),
+    }
+
+
+def _auto(name: str) -> Callable[[nn.Module, Workload], None]:
+    def prepare(model: nn.Module, workload: Workload) -> None:
+        from ..planning import Plan
+
+        planned = PLANS.get(name) or _plan_here(name, model, workload)
+        Plan.from_json(planned["plan"]).apply(model)
+        PREDICTED[id(model)] = {k: v for k, v in planned.items() if k != "plan"}
 
     return prepare
 
 
+def _plan_here(name: str, model: nn.Module, workload: Workload) -> dict[str, Any]:
+    """A plan for ``name`` made in this process (measurements outside ``remat bench``), from a
+    profile of the workload's model of seed 0."""
+    torch_name = matched_torch(name)
+    if torch_name is not None:
+        raise RematError(
+            f"remat bench: {name} is planned at the peak remat bench measures for "
+            f"{torch_name} in the same run, and none was handed over; run it with "
+            f"remat bench --strategies {torch_name} --budgets torch."
+        )
+    device = next(model.parameters()).device
+    return plan_budgets(workload, {name: budget_of(name, {})}, 0, device)[name]
+
+
 def get_strategy(name: str) -> Strategy:
     if name.startswith(AUTO):
-        budget = name[len(AUTO) :]
-        from ..planning._budget import parse_budget
-
-        parse_budget(budget, 1)  # a malformed budget fails here, with the planner's message
-        return Strategy(
-            name, f"remat.plan at a budget of {budget} of the plain peak", _auto(budget), "none"
-        )
+        return _auto_strategy(name)
     try:
         return STRATEGIES[name]
     except KeyError:
@@ -347,3 +414,19 @@ def get_strategy(name: str) -> Strategy:
             f"remat bench: unknown strategy {name!r}{did_you_mean(name, list(STRATEGIES))}; "
             f"expected any of: {', '.join(STRATEGIES)}."
         ) from None
+
+
+def _auto_strategy(name: str) -> Strategy:
+    torch_name = matched_torch(name)
+    if torch_name is not None:
+        get_strategy(torch_name)  # an unknown torch strategy fails here, naming the known ones
+        return Strategy(
+            name, f"remat.plan at {torch_name}'s measured peak", _auto(name), torch_name
+        )
+    budget = name[len(AUTO) :]
+    from ..planning._budget import parse_budget
+
+    parse_budget(budget, 1)  # a malformed budget fails here, with the planner's message
+    return Strategy(
+        name, f"remat.plan at a budget of {budget} of the plain peak", _auto(name), "none"
+    )

@@ -44,6 +44,14 @@ _TIERS = ("recompute", "host", "disk")
 MAX_SEGMENT = 12  # the most blocks one segment covers
 
 
+class NoPlanFits(RematError):
+    """No plan fits the budget; ``smallest`` is the budget in bytes the message names instead."""
+
+    def __init__(self, message: str, smallest: int) -> None:
+        super().__init__(message)
+        self.smallest = smallest
+
+
 def _step(
     model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None
 ) -> Callable[[], Any]:
@@ -412,11 +420,12 @@ def solve(profiled: Profiled, budget: Any) -> Plan:
     dp_seconds = time.perf_counter() - start
     if picks is None:
         smallest = _smallest(costs, chain)
-        raise RematError(
+        raise NoPlanFits(
             f"remat.plan: no plan fits a budget of {fmt_bytes(budget_bytes)} ({budget!r}); the "
             f"smallest that fits is {fmt_bytes(smallest)} ({smallest} bytes, "
             f"{smallest / max(plain.peak, 1):.0%} of the plain step's "
-            f"{fmt_bytes(plain.peak)}). Raise the budget."
+            f"{fmt_bytes(plain.peak)}). Raise the budget.",
+            smallest,
         )
     picked = chosen(chain, picks)
     curve = []
@@ -536,10 +545,11 @@ def solve_measured(
         except RematError:
             if attempt == 1:
                 raise
-            raise RematError(
+            raise NoPlanFits(
                 f"remat.plan: the fastest plan within {fmt_bytes(budget_bytes)} ({budget!r}) "
                 f"measured {fmt_bytes(peak)} at its peak, above the budget, and no plan fits "
-                f"a tighter one; raise the budget to {fmt_bytes(peak)} ({peak} bytes)."
+                f"a tighter one; raise the budget to {fmt_bytes(peak)} ({peak} bytes).",
+                peak,
             ) from None
         peak = measured_peak(result, model, example_inputs, loss_fn)
         if peak <= budget_bytes:
@@ -548,10 +558,11 @@ def solve_measured(
         # predicted that much below the budget, which excludes this one.
         target = min(result.budget, result.predicted_peak) - (peak - budget_bytes)
         if target <= 0 or attempt == attempts:
-            raise RematError(
+            raise NoPlanFits(
                 f"remat.plan: the fastest plan within {fmt_bytes(budget_bytes)} ({budget!r}) "
                 f"measured {fmt_bytes(peak)} at its peak, above the budget; raise the budget to "
-                f"{fmt_bytes(peak)} ({peak} bytes)."
+                f"{fmt_bytes(peak)} ({peak} bytes).",
+                peak,
             )
     result.budget = budget_bytes
     result.budget_text = budget if isinstance(budget, str) else repr(budget)
