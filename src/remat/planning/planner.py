@@ -308,7 +308,8 @@ def _chain(
 
 
 def _smallest(costs: ChainCosts, chain: list[list[ChainOption]]) -> int:
-    """The smallest budget the chain DP can meet: bisection on feasibility."""
+    """The smallest budget the chain DP can meet: bisection on feasibility, then the predicted
+    peak of the plan at the budget found (which fits that peak itself)."""
     singles = [[o for o in opts if o.span == 1] for opts in chain]
     high = max(
         chain_peak(costs, [min(opts, key=lambda o: o.kept + o.backward) for opts in singles]), 1
@@ -321,6 +322,11 @@ def _smallest(costs: ChainCosts, chain: list[list[ChainOption]]) -> int:
             low = mid
         else:
             high = mid
+    picks = chain_dp(costs, chain, high)
+    if picks is not None:
+        peak = chain_peak(costs, chosen(chain, picks))
+        if chain_dp(costs, chain, peak) is not None:
+            return peak
     return high
 
 

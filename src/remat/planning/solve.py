@@ -32,9 +32,10 @@ plain step: layers between the blocks, skip tensors, gradients; ``E`` is then ze
 (see ``cost.py``). A DP over blocks in forward order keeps two numbers as state: the prefix
 sum of ``K``, and a reservation ``R`` for the ``L`` of the blocks still to come (any ``R`` at
 the start, each block takes its ``L`` out of it, never below zero), so every constraint reads
-the state. Both axes live on grids (1/1024 and 1/64 of the budget by default), rounded to
-the nearest; an answer the exact model puts over the budget is solved again on a tighter
-budget, so what the DP returns always fits, and it is the fastest on its grid.
+the state. Both axes live on grids (1/1024 and 1/64 of the budget by default), rounded down,
+so that the grid never refuses an assignment the exact model fits (an every-other-block plan
+whose peak is the budget to the byte); an answer the exact model puts over the budget is
+solved again on a tighter budget, so what the DP returns always fits.
 
 NOTE [ Segments ]
 
@@ -276,9 +277,8 @@ def chain_dp(
 ) -> list[int] | None:
     """The fastest assignment (one option index per block, ``-1`` where a segment covers it)
     whose predicted peak fits ``budget``, or ``None`` (see [ The chain DP ]). The prefix sums
-    live on a grid of ``budget / grid`` bytes, rounded to the nearest; an answer the exact model
-    puts over the budget is solved again on a tighter budget, so what is returned always
-    fits."""
+    live on a grid of ``budget / grid`` bytes, rounded down; an answer the exact model puts
+    over the budget is solved again on a tighter budget, so what is returned always fits."""
     if not blocks:
         return [] if max(costs.head, costs.tail) <= budget else None
     fastest = [
@@ -337,8 +337,8 @@ def _chain_dp_grid(
             continue
         for k, o in enumerate(options):
             t = i + o.span
-            step = round(o.kept / unit)
-            rstep = round(o.left / runit) if rsize > 1 else 0
+            step = int(o.kept // unit)
+            rstep = int(o.left // runit) if rsize > 1 else 0
             if t > n or step >= size or rstep >= rsize:
                 continue
             after = reserve[None, :] - rstep * runit  # reserved for the blocks after this one
@@ -360,8 +360,8 @@ def _chain_dp_grid(
     while t > 0:
         k, i = int(pick[t][p, r]), int(start[t][p, r])
         picks[i] = k
-        p -= round(blocks[i][k].kept / unit)
-        r += round(blocks[i][k].left / runit) if rsize > 1 else 0
+        p -= int(blocks[i][k].kept // unit)
+        r += int(blocks[i][k].left // runit) if rsize > 1 else 0
         t = i
     return picks
 
