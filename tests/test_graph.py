@@ -1069,3 +1069,112 @@ def test_a_policy_reading_the_module_gets_its_path_also_inside_a_by_op_region() 
         assert ("1.1", "tanh") in seen and ("1.2", "sin") in seen
         assert ("1.0", "addmm") in seen
         assert probe.seen == [2]  # tracked by hooks while the reading policy is on the stack
+
+
+def _walks_per_call(policy: Any) -> int:
+    """How often a wrapped module's tree is walked for names, in one training call."""
+    walks: list[str] = []
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    named_modules = model.named_modules
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        walks.append("walk")
+        return named_modules(*args, **kwargs)
+
+    model.named_modules = counted  # type: ignore[method-assign]
+    remat.checkpoint_wrapper(model, policy=policy)
+    model(_leaf(2, 4)).sum().backward()
+    return len(walks)
+
+
+def test_a_policy_deciding_by_op_names_no_modules_on_each_call() -> None:
+    assert _walks_per_call(policies.save_matmuls) == 0  # the names would go unused
+    assert _walks_per_call(_module_reader([])) == 1  # this policy reads ctx.module
+
+
+# -- where the records sit --------------------------------------------------------------------
+
+
+def test_argument_layouts_follow_the_schemas() -> None:
+    from remat._aten import ArgLayout, op_info
+
+    aten = torch.ops.aten
+    assert op_info(aten.view.default).layout == ArgLayout((0,), ())
+    assert op_info(aten.native_layer_norm.default).layout == ArgLayout((0, 2, 3), ())
+    assert op_info(aten.cat.default).layout == ArgLayout((), (0,))
+    assert op_info(aten.index.Tensor).layout == ArgLayout((0,), (1,))
+    # A generic or opaque argument type: every argument is searched for tensors.
+    assert op_info(aten.add.t).layout is None
+    assert op_info(aten.set_.source_Storage).layout is None
+
+
+def _views_cat_index_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = F.layer_norm(x.exp().view(4, 8) @ w, (8,))
+    h = torch.cat([h, F.dropout(h, 0.3)], dim=1)[torch.tensor([0, 2, 3])]
+    return h.add_(1).tanh().sum()  # add_(1) reaches the mode with the number 1 as ``other``
+
+
+def _recorded(fn: Callable[..., torch.Tensor], *leaves: torch.Tensor) -> tuple[Any, OpCounter]:
+    """The graph a recompute-everything region records for ``fn``, and its backward's ops."""
+    graphs: list[Any] = []
+
+    def capture(*args: torch.Tensor) -> torch.Tensor:
+        out = fn(*args)
+        graphs.append(remat._state.state.graph)
+        return out
+
+    ops = run_both(capture, *leaves, policy=policies.recompute_everything)
+    return graphs[-1], ops  # the first run is the plain one
+
+
+def test_records_sit_where_the_schema_allows_tensors() -> None:
+    from remat._nodes import Ref
+
+    graph, ops = _recorded(_views_cat_index_norm, _leaf(2, 16), _leaf(8, 8))
+    by_name: dict[str, Any] = {}
+    for node in graph.nodes:
+        by_name.setdefault(node.op.overloadpacket.__name__, node)
+    view = by_name["view"]
+    assert type(view.args[0]) is Ref and view.args[1] == [4, 8]
+    cat = by_name["cat"]
+    assert [type(a) for a in cat.args[0]] == [Ref, Ref] and cat.args[1] == 1
+    add_ = by_name["add_"]
+    assert type(add_.args[0]) is Ref and add_.args[1] == 1
+    assert ops["add_"] == 1 and ops["exp"] == 1  # replayed, from those records
+
+
+def test_ops_without_a_layout_are_searched_whole_and_replay_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from remat import graph as graph_module
+
+    x, w = _leaf(2, 16), _leaf(8, 8)
+    by_layout, ops = _recorded(_views_cat_index_norm, *_fresh(x, w))
+    learn = graph_module._learn
+
+    def without_layout(func: Any) -> Any:
+        facts = learn(func)._replace(layout=None)
+        graph_module._FACTS[id(func)] = facts
+        return facts
+
+    monkeypatch.setattr(graph_module, "_FACTS", {})
+    monkeypatch.setattr(graph_module, "_learn", without_layout)
+    searched, searched_ops = _recorded(_views_cat_index_norm, *_fresh(x, w))
+    assert all(node.layout is None for node in searched.nodes)
+    assert [(n.op, n.refs) for n in searched.nodes] == [(n.op, n.refs) for n in by_layout.nodes]
+    assert searched_ops.counts == ops.counts
+
+
+def test_a_parameter_saved_in_a_region_is_held_without_a_detach() -> None:
+    # LayerNorm saves its weight and bias: leaves from outside the region, held as they are.
+    norm = nn.LayerNorm(8)
+    x = _leaf(4, 8)
+    with counting_ops() as ops:
+        out = remat.checkpoint(norm, x, policy=policies.recompute_everything)
+    assert ops["native_layer_norm"] == 1 and ops["detach"] == 0
+    out.sum().backward()
+    plain, xp = nn.LayerNorm(8), _fresh(x)[0]
+    plain.load_state_dict(norm.state_dict())
+    plain(xp).sum().backward()
+    assert torch.equal(x.grad, xp.grad)
+    assert torch.equal(norm.weight.grad, plain.weight.grad)

@@ -1,13 +1,15 @@
 """Facts about ATen operators that remat's engines need, read from their schemas and cached.
 
-For each operator overload: which arguments it writes, and which of its results are new tensors
-rather than views or aliases of an argument. Schemas mark writes with ``(a!)``; a few operators
-write without saying so and are listed in :data:`UNDECLARED_WRITES`.
+For each operator overload: which arguments it writes, which of its results are new tensors
+rather than views or aliases of an argument, and which positional arguments can hold tensors.
+Schemas mark writes with ``(a!)``; a few operators write without saying so and are listed in
+:data:`UNDECLARED_WRITES`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -28,6 +30,17 @@ UNDECLARED_WRITES: dict[str, tuple[str, ...]] = {
 FRESH_ALIASES = frozenset({"aten::lift_fresh"})
 
 
+class ArgLayout(NamedTuple):
+    """Where an operator's positional arguments can hold tensors, by their schema types. The
+    graph engine looks only there, in each op it records and replays; any other positional
+    argument (an int, a list of ints, a float, a device) is passed on as it is."""
+
+    # ``Tensor`` or ``Tensor?``: a tensor, None, or a Python number (``x.add_(1)`` reaches a
+    # dispatch mode with the wrapped number unwrapped)
+    tensors: tuple[int, ...]
+    lists: tuple[int, ...]  # ``Tensor[]`` or ``Tensor?[]``
+
+
 @dataclass(frozen=True)
 class OpInfo:
     """What an operator overload writes and creates."""
@@ -37,6 +50,9 @@ class OpInfo:
     # For each result, whether it is a new tensor (not an alias of an argument).
     fresh: tuple[bool, ...]
     any_fresh: bool
+    # ``None`` when a positional argument's type could hold a tensor in some other form (a
+    # generic ``t``, a dict, a custom class): every argument is then searched for tensors.
+    layout: ArgLayout | None
     op: torch._ops.OpOverload  # held, so that its id, the cache key, stays its own
 
 
@@ -74,4 +90,48 @@ def _read_schema(op: torch._ops.OpOverload) -> OpInfo:
     )
     fresh_alias = schema.name in FRESH_ALIASES
     fresh = tuple(ret.alias_info is None or fresh_alias for ret in schema.returns)
-    return OpInfo(writes, fresh, any(fresh), op)
+    return OpInfo(writes, fresh, any(fresh), _layout(schema), op)
+
+
+# Schema types whose values hold no tensor: ``int`` stands for ScalarType, Layout and
+# MemoryFormat too, ``number`` for Scalar.
+_PLAIN_TYPES = (
+    torch.IntType,
+    torch.SymIntType,
+    torch.BoolType,
+    torch.FloatType,
+    torch.ComplexType,
+    torch.NumberType,
+    torch.StringType,
+    torch.DeviceObjType,
+)
+
+
+def _layout(schema: torch._C.FunctionSchema) -> ArgLayout | None:
+    tensors: list[int] = []
+    lists: list[int] = []
+    for i, arg in enumerate(a for a in schema.arguments if not a.kwarg_only):
+        kind = _kind(arg.type)
+        if kind == "tensor":
+            tensors.append(i)
+        elif kind == "list":
+            lists.append(i)
+        elif kind != "plain":
+            return None
+    return ArgLayout(tuple(tensors), tuple(lists))
+
+
+def _kind(t: torch._C.JitType) -> Literal["tensor", "list", "plain", "other"]:
+    """A tensor, a list of tensors, a value that holds none, or anything else."""
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    if isinstance(t, torch.TensorType):
+        return "tensor"
+    if isinstance(t, torch.ListType):
+        item = t.getElementType()
+        if isinstance(item, torch.OptionalType):
+            item = item.getElementType()
+        if isinstance(item, torch.TensorType):
+            return "list"
+        t = item
+    return "plain" if isinstance(t, _PLAIN_TYPES) else "other"

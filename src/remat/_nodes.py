@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._aten import ArgLayout
 from .policies import Decision
 
 __all__: list[str] = []
@@ -41,15 +42,21 @@ class _External:
     snapshot: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
 class _Meta:
     """A tensor argument an op reads only for its metadata (``empty_like(x)``): replayed as a
-    meta-device tensor with the same shape, strides and dtype, so the cone stops here."""
+    meta-device tensor with the same shape, strides and dtype, so the cone stops here. A
+    plain class with slots: ops that make one are recorded on the per-op path."""
 
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
+    __slots__ = ("device", "dtype", "shape", "stride")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape: tuple[int, ...] = tuple(t.shape)
+        self.stride: tuple[int, ...] = t.stride()
+        self.dtype: torch.dtype = t.dtype
+        self.device: torch.device = t.device
+
+    def __repr__(self) -> str:
+        return f"_Meta(shape={self.shape}, stride={self.stride}, dtype={self.dtype})"
 
     def stand_in(self) -> torch.Tensor:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
@@ -101,6 +108,7 @@ class Node:
         "in_attention",
         "kept",
         "kwargs",
+        "layout",
         "module",
         "op",
         "refs",
@@ -119,9 +127,13 @@ class Node:
         rng: list[tuple[Any, torch.Tensor | None]] | None = None,
         refs: tuple[Ref, ...] = (),
         in_attention: bool = False,
+        layout: ArgLayout | None = None,
     ) -> None:
         self.op = op
         self.args = args
+        # Where ``args`` can hold records, as for the op's tensors (see ``ArgLayout``); None:
+        # anywhere.
+        self.layout = layout
         self.kwargs = kwargs
         self.module = module
         self.decision = decision
@@ -198,14 +210,3 @@ def _map_recorded(fn: Callable[[Any], Any], value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_map_recorded(fn, v) for v in value)
     return value
-
-
-def _leaves(value: Any) -> Iterator[Any]:
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _leaves(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _leaves(v)
-    else:
-        yield value

@@ -203,11 +203,12 @@ class Replay:
     def _run(self, index: int, node: Node, task: int, cache: dict[Ref, torch.Tensor]) -> None:
         uses = self.uses[task]
         args, kwargs, out = self._call(index, node, task, cache)
+        made: list[Ref] = []
         if type(out) is torch.Tensor and not node.writes:  # the common case: one new result
-            made = [_new_ref((index, 0))]
-            cache[made[0]] = out
+            ref = _new_ref((index, 0))
+            if uses.get(ref, 0) > 0:  # cached only if a node or a slot still reads it
+                cache[ref] = out
         else:
-            made = []
             results = out if isinstance(out, (tuple, list)) else (out,)
             for k, result in enumerate(results):
                 if isinstance(result, torch.Tensor):
@@ -275,36 +276,51 @@ class Replay:
                 return value.tensor.clone() if position in written else value.tensor
             return value
 
-        nodes = self.nodes
-        resolved: list[Any] = []
-        for i, a in enumerate(node.args):
-            if type(a) is Ref and not node.writes:  # the common case, inlined
-                kept = nodes[a.node].kept.get(a.key)
-                t = kept.tensor if kept is not None else cache.get(a)
-                resolved.append(t if t is not None else resolve_arg(a, i))
-            elif isinstance(a, _RECORDED):
-                resolved.append(resolve_arg(a, i))
-            elif isinstance(a, (tuple, list)):
-                resolved.append(_map_recorded(resolve_arg, a))
-            else:
-                resolved.append(a)
-        args = tuple(resolved)
-        if node.args and isinstance(node.args[0], _Meta) and node.kwargs.get("device") is None:
-            # The op made its result where its argument lived, not on the meta stand-in.
-            node_kwargs_device = {"device": node.args[0].device}
+        layout = node.layout
+        if layout is None or node.writes:
+            args = tuple(
+                resolve_arg(a, i) if isinstance(a, _RECORDED) else _map_recorded(resolve_arg, a)
+                for i, a in enumerate(node.args)
+            )
         else:
-            node_kwargs_device = {}
-        kwargs = {
-            k: resolve_arg(v, k) if isinstance(v, _RECORDED) else _map_recorded(resolve_arg, v)
-            for k, v in node.kwargs.items()
-        }
+            # Records sit only where the schema says tensors can be (see ``ArgLayout``); the
+            # common case of ``resolve_arg`` inlined: this loop runs for every replayed op.
+            nodes = self.nodes
+            resolved = list(node.args)
+            n = len(resolved)
+            for i in layout.tensors:
+                if i >= n:
+                    break
+                a = resolved[i]
+                if type(a) is Ref:
+                    kept = nodes[a.node].kept.get(a.key)
+                    t = kept.tensor if kept is not None else cache.get(a)
+                    resolved[i] = t if t is not None else resolve_arg(a)
+                elif isinstance(a, _RECORDED):
+                    resolved[i] = resolve_arg(a)
+            for i in layout.lists:
+                if i < n:
+                    resolved[i] = _map_recorded(resolve_arg, resolved[i])
+            args = tuple(resolved)
+        device: dict[str, Any] = {}
+        if node.args and type(node.args[0]) is _Meta and node.kwargs.get("device") is None:
+            # The op made its result where its argument lived, not on the meta stand-in.
+            device = {"device": node.args[0].device}
+        kwargs = (
+            {
+                k: resolve_arg(v, k) if isinstance(v, _RECORDED) else _map_recorded(resolve_arg, v)
+                for k, v in node.kwargs.items()
+            }
+            if node.kwargs
+            else {}
+        )
         states = node.rng
         if states is None:
-            return args, kwargs, node.op._op(*args, **kwargs, **node_kwargs_device)
+            return args, kwargs, node.op._op(*args, **kwargs, **device)
         if node.after is not None:
             states = self.rng_after[task].pop(node.after)
         with _replay_rng(states):
-            out = node.op(*args, **kwargs, **node_kwargs_device)
+            out = node.op(*args, **kwargs, **device)
             if node.feeds:
                 self.rng_after.setdefault(task, {})[index] = [(g, g.get_state()) for g, _ in states]
         return args, kwargs, out

@@ -24,10 +24,38 @@ A tensor seen in forward is identified by its TensorImpl and its version counter
    (parameters, captured tensors) are held, and their version is checked when replayed;
 5. an op that writes an external tensor (BatchNorm statistics) runs on a snapshot of it taken
    in forward, in forward state, so a replay never writes live tensors and reads what the op
-   read then.
+   read then;
+6. a record sits in a node's arguments only where the op's schema allows a tensor
+   (``ArgLayout`` in ``_aten.py``): a ``Tensor`` or ``Tensor?`` position holds a record, None,
+   or the Python number the dispatcher passed for a wrapped number; a ``Tensor[]`` position a
+   list of them; every other argument is kept as the op got it, and neither the recording nor
+   the replay looks inside it. An op with an argument of another type that could hold a tensor
+   (a generic ``t``, a dict) is searched whole.
 
 How backward rebuilds a tensor from the records: ``_replay.py``, NOTE [ Life of a replayed
 tensor ].
+
+NOTE [ A recompute-everything region is not a re-run ]
+
+A region whose policy recomputes every op (``recompute_everything``) decides nothing per op,
+and re-running its function in backward, as the region engine does, would spare it the
+recording, most of a forward made of small ops. It stays a graph-engine region, because a
+re-run is a different region, observably:
+
+1. a replay runs the cone of the saved tensors still alive; a re-run runs the function up to
+   the last one, including the ops of outputs that backward no longer needs;
+2. data-dependent ops, collectives and ops with side effects are saved (``must_save_reason``
+   in ``policies.py``); a re-run runs them again;
+3. a random op that draws from an explicit ``torch.Generator`` replays from that generator's
+   state; a re-run restores the default generators only, and draws other numbers;
+4. a tensor from outside the region that the region reads, then writes in place (a running
+   average buffer), replays from its snapshot (rule 5 above); a re-run reads it as written,
+   and the gradients differ;
+5. a saved tensor may be read twice in one backward; a nested region's policy joins the
+   stack, and what it keeps is never recomputed.
+
+``tests/test_graph.py`` and ``tests/test_policies.py`` check each of these under
+``recompute_everything``.
 """
 
 from __future__ import annotations
@@ -44,7 +72,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import _attention, _state
-from ._aten import op_info
+from ._aten import ArgLayout, op_info
 from ._aten import storage_key as _storage
 from ._dispatch import EagerMode
 from ._nodes import (
@@ -57,12 +85,10 @@ from ._nodes import (
     _Held,
     _Input,
     _key,
-    _leaves,
     _map,
     _map_recorded,
     _Meta,
     _Packed,
-    _refs_in,
 )
 from ._replay import Replay
 from .errors import RematError
@@ -156,13 +182,23 @@ class Graph(Replay):
     ) -> Any:
         facts = _FACTS.get(id(func)) or _learn(func)
         refs: list[Ref] = []
-        self._refs = refs
-        # The arguments as records (``arg``), with the common case inlined: this loop runs for
-        # every argument of every op the region runs.
-        current = self.current
-        recorded: list[Any] = []
-        for value in args:
-            if isinstance(value, torch.Tensor):
+        self._refs = refs  # ``arg`` adds the references it makes here
+        layout = facts.layout
+        if layout is None:
+            node_args = tuple(_map(self.arg, value) for value in args)
+        else:
+            # The arguments as records, where the schema says tensors can be (a Tensor argument
+            # comes as a Python number when it was one); ``arg`` with its common case inlined:
+            # this loop runs for every tensor argument of every op.
+            current = self.current
+            recorded = list(args)
+            n = len(args)
+            for i in layout.tensors:
+                if i >= n:
+                    break
+                value = args[i]
+                if not isinstance(value, torch.Tensor):  # None, or a number for a Scalar
+                    continue
                 entry = current.get(value._cdata)
                 if (
                     entry is not None
@@ -172,18 +208,19 @@ class Graph(Replay):
                     value = entry.ref
                     if type(value) is Ref:
                         refs.append(value)
+                    recorded[i] = value
                 else:
-                    value = self.arg(value)
-            elif isinstance(value, (tuple, list)):
-                value = _map(self.arg, value)
-            recorded.append(value)
-        node_args = tuple(recorded)
+                    recorded[i] = self.arg(value)
+            for i in layout.lists:
+                if i < n:
+                    recorded[i] = _map(self.arg, args[i])
+            node_args = tuple(recorded)
         node_kwargs = {k: _map(self.arg, v) for k, v in kwargs.items()} if kwargs else {}
         if facts.special:
-            node_args, node_kwargs, refs = self._special(
+            node_args, node_kwargs = self._special(
                 facts, args, kwargs, node_args, node_kwargs, refs
             )
-        rng = _capture_rng(func, args, kwargs) if facts.random else None
+        rng = _capture_rng(args, kwargs) if facts.random else None
         out = func._op(*args, **kwargs)
         index = len(self.nodes)
         module = self.modules[-1]
@@ -205,16 +242,23 @@ class Graph(Replay):
             rng,
             tuple(refs),
             self.in_attention > 0,
+            layout,
         )
         if facts.blank and type(out) is torch.Tensor and not kwargs.get("pin_memory"):
-            node.blank = _Meta(tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
+            node.blank = _Meta(out)
         self.nodes.append(node)
-        if type(out) is torch.Tensor and not facts.writes:  # the common case: one new result
-            ref = _new_ref((index, 0))
-            current[out._cdata] = _new_entry((ref, out._version, weakref.ref(out)))
-            if decision is not _PREFER_RECOMPUTE and decision is not _MUST_RECOMPUTE:
-                node.kept[0] = self.hold(out.detach())
-            return out
+        keep = decision is not _PREFER_RECOMPUTE and decision is not _MUST_RECOMPUTE
+        if type(out) is torch.Tensor:
+            if not facts.writes:  # the common case: one new result
+                self.current[out._cdata] = _new_entry(
+                    (_new_ref((index, 0)), out._version, weakref.ref(out))
+                )
+                if keep:
+                    node.kept[0] = self.hold(out.detach())
+                return out
+            if facts.in_place and out is args[0]:  # ``x.div_(2)`` returns ``x``: written
+                self._bind(out, (index, 0), node, True, keep)  # (see below)
+                return out
         # Autograd bumps the version of each written tensor after this returns: bind the
         # written states at the version they will have when the next op reads them.
         written = {
@@ -227,20 +271,20 @@ class Graph(Replay):
         results = out if isinstance(out, (tuple, list)) else (out,)
         for k, result in enumerate(results):
             if isinstance(result, torch.Tensor):
-                self._bind(result, Ref(index, k), node, _key(result) in written)
-                written.pop(_key(result), None)
+                was_written = written.pop(result._cdata, None) is not None
+                self._bind(result, (index, k), node, was_written, keep)
             elif isinstance(result, (tuple, list)):
                 for j, t in enumerate(result):
                     if isinstance(t, torch.Tensor):
-                        self._bind(t, Ref(index, ("l", k, j)), node, _key(t) in written)
-        for position, name in facts.writes:
+                        self._bind(t, (index, ("l", k, j)), node, t._cdata in written, keep)
+        for position, name in facts.writes if written else ():
             target = args[position] if position < len(args) else kwargs.get(name)
             if (
                 isinstance(target, torch.Tensor)
-                and _key(target) in written
+                and target._cdata in written
                 and self.lookup(target) is not None
             ):
-                self._bind(target, Ref(index, ("w", position)), node, True)
+                self._bind(target, (index, ("w", position)), node, True, keep)
         return out
 
     def _special(
@@ -251,13 +295,13 @@ class Graph(Replay):
         node_args: tuple[Any, ...],
         node_kwargs: dict[str, Any],
         refs: list[Ref],
-    ) -> tuple[tuple[Any, ...], dict[str, Any], list[Ref]]:
-        """The records of an op that reads an argument's metadata only, or writes one."""
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The records of an op that reads an argument's metadata only, or writes one; drops
+        from ``refs`` the reference that a metadata read does not need."""
         if facts.metadata_only and isinstance(args[0], torch.Tensor):
-            like = args[0]
-            meta = _Meta(tuple(like.shape), tuple(like.stride()), like.dtype, like.device)
-            node_args = (meta, *node_args[1:])
-            refs = list(_refs_in((node_args, node_kwargs)))
+            if type(node_args[0]) is Ref:
+                refs.remove(node_args[0])  # the replay needs no producer for a layout
+            node_args = (_Meta(args[0]), *node_args[1:])
         # Writes to external tensors run on snapshots, in forward and in replay alike.
         for position, name in facts.writes:
             target = args[position] if position < len(args) else kwargs.get(name)
@@ -274,13 +318,16 @@ class Graph(Replay):
                         node_args = (*node_args[:position], snapshot, *node_args[position + 1 :])
                     else:
                         node_kwargs = {**node_kwargs, name: snapshot}
-                else:
+                elif self.held:
                     self._before_write(target)
-        return node_args, node_kwargs, refs
+        return node_args, node_kwargs
 
-    def _bind(self, t: torch.Tensor, ref: Ref, node: Node, written: bool) -> None:
-        self.current[_key(t)] = _Entry(ref, t._version + written, weakref.ref(t))
-        if not node.decision.recompute:
+    def _bind(
+        self, t: torch.Tensor, key: tuple[int, Key], node: Node, written: bool, keep: bool
+    ) -> None:
+        ref = _new_ref(key)
+        self.current[t._cdata] = _new_entry((ref, t._version + written, weakref.ref(t)))
+        if keep:
             node.kept[ref.key] = self.hold(t.detach())
 
     def _offload(self, ref: Ref) -> None:
@@ -391,6 +438,10 @@ class Graph(Replay):
             packed = _Packed(known)
             if type(known) is Ref and self.nodes[known.node].kept:
                 self._offload(known)
+        elif t.grad_fn is None:
+            # A leaf from outside the region (a parameter that LayerNorm saves): held itself,
+            # since it holds no graph, without a ``detach`` through the recording mode.
+            packed = _Packed(self.hold(t))
         else:
             self.paused = True
             try:
@@ -463,6 +514,8 @@ class _OpFacts(NamedTuple):
     random: bool
     must_save: str | None
     special: bool  # metadata_only or writes: recorded by ``Graph._special``
+    in_place: bool  # writes its first argument only (``div_``)
+    layout: ArgLayout | None
 
 
 # Keyed by ``id(op)``: an OpOverload hashes in Python, an int in C, and this lookup runs per op.
@@ -470,7 +523,8 @@ _FACTS: dict[int, _OpFacts] = {}
 
 
 def _learn(func: torch._ops.OpOverload) -> _OpFacts:
-    writes = op_info(func).writes
+    info = op_info(func)
+    writes = info.writes
     metadata_only = func.overloadpacket.__name__ in _METADATA_ONLY
     facts = _FACTS[id(func)] = _OpFacts(
         op=func,
@@ -480,6 +534,8 @@ def _learn(func: torch._ops.OpOverload) -> _OpFacts:
         random=torch.Tag.nondeterministic_seeded in func.tags,
         must_save=must_save_reason(func),
         special=metadata_only or bool(writes),
+        in_place=len(writes) == 1 and writes[0][0] == 0,
+        layout=info.layout,
     )
     return facts
 
@@ -490,15 +546,17 @@ _PREFER_RECOMPUTE, _MUST_RECOMPUTE = Decision.PREFER_RECOMPUTE, Decision.MUST_RE
 _new_entry = functools.partial(tuple.__new__, _Entry)
 
 
-def _capture_rng(
-    func: Any, args: Any, kwargs: dict[str, Any]
-) -> list[tuple[Any, torch.Tensor | None]] | None:
-    if torch.Tag.nondeterministic_seeded not in func.tags:
-        return None
+def _capture_rng(args: Any, kwargs: dict[str, Any]) -> list[tuple[Any, torch.Tensor | None]]:
+    """The state of each generator a random op is about to draw from."""
     generator = kwargs.get("generator")
     if generator is not None:
         return [(generator, generator.get_state())]
-    devices = {t.device for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    devices: set[torch.device] = set()
+    for value in (*args, *kwargs.values()):  # ATen arguments: tensors, or lists of them
+        if isinstance(value, torch.Tensor):
+            devices.add(value.device)
+        elif isinstance(value, (tuple, list)):
+            devices.update(t.device for t in value if isinstance(t, torch.Tensor))
     device = kwargs.get("device")
     if device is not None:
         devices.add(torch.device(device))
@@ -572,6 +630,12 @@ class Recorder(EagerMode):
         return self.graph.record(func, args, kwargs or {})
 
 
+def names_modules(policy: Any) -> bool:
+    """Whether a region with ``policy`` keeps the name of the module each op runs in: see
+    ``_module_names``."""
+    return not decides_by_op(policy) or _state.state.observer is not None
+
+
 @contextlib.contextmanager
 def _module_names(
     graph: Graph, policy: Any, names: dict[int, str] | None, root: str
@@ -584,8 +648,7 @@ def _module_names(
     untracked carry the name of the region's module (``root``): errors name it. A report being
     made (``remat.explain``'s observer) always asks for names: its rows name the module.
     """
-    reported = _state.state.observer is not None
-    if (decides_by_op(policy) and not reported) or graph.naming:
+    if not names_modules(policy) or graph.naming:
         yield
         return
     thread = threading.get_ident()
@@ -646,12 +709,13 @@ def recording(
     graph.input_node = save_inputs(inputs, offload_inputs)
     _state.state.graph = graph
     try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(graph.pack, graph.unpack))
-            stack.enter_context(_state.checkpointing())
-            stack.enter_context(_module_names(graph, policy, module_names, ""))
-            stack.enter_context(_attention_scope(graph))
-            stack.enter_context(Recorder(graph))
+        with (
+            torch.autograd.graph.saved_tensors_hooks(graph.pack, graph.unpack),
+            _state.checkpointing(),
+            _module_names(graph, policy, module_names, ""),
+            _attention_scope(graph),
+            Recorder(graph),
+        ):
             yield
     except BaseException:
         for store in graph.stores:

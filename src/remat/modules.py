@@ -21,6 +21,7 @@ from torch import nn
 
 from .checkpoint import RegionOptions, run_region
 from .errors import RematError, did_you_mean
+from .graph import names_modules
 from .policies import save_matmuls
 
 __all__ = ["apply", "checkpoint_sequential", "checkpoint_wrapper", "unapply"]
@@ -68,7 +69,7 @@ class _CheckpointedForward:
         forward = types.MethodType(type(module).forward, module)
         names = None
         root = self.name or type(module).__name__
-        if self.options.policy is not None:
+        if self.options.policy is not None and names_modules(self.options.policy):
             prefix = f"{self.name}." if self.name else ""
             names = {id(m): prefix + name if name else root for name, m in module.named_modules()}
         return run_region(forward, args, kwargs, self.options, self.offload_to_cpu, names, root)
