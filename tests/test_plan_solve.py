@@ -259,3 +259,30 @@ def test_a_segment_beats_every_single_block_option_where_inputs_are_large() -> N
     blocks = [[plain, region, segment], [plain, region], [plain, region], [plain, region]]
     assert chain_dp(costs, [[plain, region]] * 4, 359) is None  # four inputs held: 360
     assert chain_dp(costs, blocks, 359) == [2, -1, -1, -1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_budget_some_assignment_fits_is_never_refused_on_a_coarse_grid(seed: int) -> None:
+    """Rounding down on the grid hides up to a grid unit per block; an answer over the budget
+    must be excluded by the retry, not met again until the retries run out (a 16-block MLP
+    chain was refused at 72.1 MiB while plans of 30.1 MiB fit)."""
+    rng = random.Random(seed)
+    options = [ChainOption(kept=1000, backward=1200, seconds=0.0)]
+    for _ in range(4):
+        kept = rng.randrange(50, 900)
+        options.append(
+            ChainOption(
+                kept=kept,
+                backward=rng.randrange(900, 1400),
+                seconds=rng.uniform(0.1, 2.0),
+                left=rng.choice([0, kept // 3]),
+            )
+        )
+    blocks = [options] * 16
+    costs = ChainCosts(head=100, before=10, tail=50)
+    for _ in range(20):
+        assignment = [rng.choice(options) for _ in blocks]
+        budget = chain_peak(costs, assignment)
+        picks = chain_dp(costs, blocks, budget, grid=32, rgrid=8)
+        assert picks is not None, budget
+        assert chain_peak(costs, chosen(blocks, picks)) <= budget

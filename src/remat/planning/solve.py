@@ -35,7 +35,8 @@ the start, each block takes its ``L`` out of it, never below zero), so every con
 the state. Both axes live on grids (1/1024 and 1/64 of the budget by default), rounded down,
 so that the grid never refuses an assignment the exact model fits (an every-other-block plan
 whose peak is the budget to the byte); an answer the exact model puts over the budget is
-solved again on a tighter budget, so what the DP returns always fits.
+solved again on finer grids (up to 1/16384 of the budget), then on tighter budgets, so what
+the DP returns always fits.
 
 NOTE [ Segments ]
 
@@ -51,6 +52,7 @@ blocks a segment started earlier covers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -287,15 +289,26 @@ def chain_dp(
     ]
     if chain_peak(costs, chosen(blocks, fastest)) <= budget:
         return fastest  # nothing to trade: the grid's rounding must not cost time here
-    target = budget
-    for _ in range(8):
-        picks = _chain_dp_grid(costs, blocks, target, budget, grid, rgrid)
-        if picks is None:
+    # Rounding down can admit an answer the exact model puts over the budget: refine the grid
+    # (the error falls with the unit), then, on the finest, lower the target below that
+    # answer's peak on the grid, by its excess.
+    grids = [grid * 4**k for k in range(4) if k == 0 or grid * 4**k <= max(grid, 1 << 14)]
+    for g in grids:
+        found = _chain_dp_grid(costs, blocks, budget, budget, g, rgrid)
+        if found is None:
             return None
+        if chain_peak(costs, chosen(blocks, found[0])) <= budget:
+            return found[0]
+    target = budget
+    for _ in range(16):
+        found = _chain_dp_grid(costs, blocks, target, budget, grids[-1], rgrid)
+        if found is None:
+            return None
+        picks, on_grid = found
         peak = chain_peak(costs, chosen(blocks, picks))
         if peak <= budget:
             return picks
-        target -= max(peak - budget, budget // grid)
+        target = min(target, on_grid) - max(peak - budget, budget // grids[-1], 1)
     return None
 
 
@@ -306,7 +319,8 @@ def _chain_dp_grid(
     budget: int,
     grid: int,
     rgrid: int,
-) -> list[int] | None:
+) -> tuple[list[int], int] | None:
+    """The DP on the grid: the fastest assignment and its peak as the grid sees it."""
     import numpy as np
 
     unit = max(budget / grid, 1.0)
@@ -363,7 +377,15 @@ def _chain_dp_grid(
         p -= int(blocks[i][k].kept // unit)
         r += int(blocks[i][k].left // runit) if rsize > 1 else 0
         t = i
-    return picks
+    on_grid = [
+        dataclasses.replace(
+            o,
+            kept=int(o.kept // unit * unit),
+            left=int(o.left // runit * runit) if rsize > 1 else 0,
+        )
+        for o in chosen(blocks, picks)
+    ]
+    return picks, chain_peak(costs, on_grid)
 
 
 def chain_brute_force(
