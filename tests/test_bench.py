@@ -283,6 +283,22 @@ def test_verdict(planned_peak: int, ratio: float, expected: str) -> None:
     assert report.verdict(planned_peak, 100, ratio, spread=0.05) == expected
 
 
+def test_a_quiet_control_still_leaves_a_percent_of_noise() -> None:
+    """A control of 1.000 does not make a plan 0.5% faster dominate: the spread is at least
+    ``MIN_SPREAD``."""
+    mib = 2**20
+    rows = [
+        report.Row("torch-block", "t", 20 * mib, 0.2, 1.5, 1.5, True),
+        report.Row(
+            "remat-auto@torch-block", "p", 20 * mib, 0.2, 1.49, 1.49, True, "torch-block", 0.995,
+            budget_bytes=20.0 * mib, budget_feasible=True,
+        ),
+    ]  # fmt: skip
+    (found,) = report.dominance(rows, control_ratio=1.0)
+    assert found.verdict == "ties (within the control)"
+    assert found.control_spread == report.MIN_SPREAD
+
+
 def test_dominance_lines_follow_the_rows() -> None:
     mib = 2**20
     rows = [
