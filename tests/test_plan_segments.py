@@ -225,3 +225,54 @@ def test_a_plan_with_segments_is_exact_saved_and_loaded(tmp_path: Any) -> None:
     assert_records_equal(
         train(copy.deepcopy(model), batches, _loss), train(planned, batches, _loss)
     )
+
+
+def test_a_plan_with_segments_in_a_users_loop_with_save_and_resume(tmp_path: Any) -> None:
+    """The loop users write, on a plan with segments: their own AdamW, clip_grad_norm_,
+    zero_grad(set_to_none=True); after two steps a save (model, optimizer, plan), a fresh
+    model with the plan loaded, a third step: bit-equal to three plain steps."""
+    from remat.planning.planner import _smallest, profile_model, solve
+    from remat.workloads.mlp import MLPBlock
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*(MLPBlock(128, 0.1) for _ in range(8))).train()
+
+    x, target = torch.randn(128, 128), torch.randn(128, 128)
+    model, plain = build(), build()
+    profiled = profile_model(model, x, lambda o: _loss(o, target), repeats=0)
+    plan = solve(profiled, _smallest(profiled.costs, profiled.chain))
+    assert any("segment" in b for b in plan.blocks), plan.summary()
+    plan.apply(model)
+    plan.save(tmp_path / "plan.json")
+
+    def steps(m: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> list[Any]:
+        out: list[Any] = []
+        for step in range(first, last):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            loss = _loss(m(x), target)
+            loss.backward()  # type: ignore[no-untyped-call]
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.5)
+            opt.step()
+            out += [loss.detach(), norm, *[p.detach().clone() for p in m.parameters()]]
+        return out
+
+    def adamw(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+    expected = steps(plain, adamw(plain), 0, 3)
+    opt = adamw(model)
+    got = steps(model, opt, 0, 2)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    assert list(model.state_dict()) == list(plain.state_dict())  # segments rename nothing
+
+    resumed = remat.Plan.load(tmp_path / "plan.json").apply(build())
+    saved = torch.load(tmp_path / "ckpt.pt")
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = adamw(resumed)
+    resumed_opt.load_state_dict(saved["opt"])
+    got += steps(resumed, resumed_opt, 2, 3)
+    assert len(got) == len(expected)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)

@@ -144,25 +144,36 @@ def _random_chain(rng: random.Random) -> tuple[ChainCosts, list[list[ChainOption
     return ChainCosts(head=rng.randrange(0, 500), before=rng.randrange(0, 200), tail=50), blocks
 
 
+def _dp_against_brute_force(
+    costs: ChainCosts, blocks: list[list[ChainOption]], budget: int
+) -> list[int] | None:
+    """The DP's picks on a fine grid, checked against brute force: ``None`` exactly when no
+    assignment fits, else one that fits in the least time."""
+    expected = chain_brute_force(costs, blocks, budget)
+    picks = chain_dp(costs, blocks, budget, grid=1 << 14, rgrid=1 << 10)
+    if expected is None:
+        assert picks is None
+        return None
+    assert picks is not None
+    options = chosen(blocks, picks)
+    assert chain_peak(costs, options) <= budget
+    assert sum(o.seconds for o in options) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    return picks
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_chain_dp_matches_brute_force_and_beats_greedy(seed: int) -> None:
     rng = random.Random(seed)
     costs, blocks = _random_chain(rng)
     peaks = sorted({chain_peak(costs, [o[0] for o in blocks]), 2000, 3000, 4000})
     for budget in peaks:
-        expected = chain_brute_force(costs, blocks, budget)
-        picks = chain_dp(costs, blocks, budget, grid=1 << 14, rgrid=1 << 10)
-        if expected is None:
-            assert picks is None
+        picks = _dp_against_brute_force(costs, blocks, budget)
+        if picks is None:
             continue
-        assert picks is not None
-        chosen = [blocks[i][k] for i, k in enumerate(picks)]
-        assert chain_peak(costs, chosen) <= budget
-        assert sum(o.seconds for o in chosen) == pytest.approx(expected, rel=1e-9, abs=1e-9)
         greedy = chain_greedy(costs, blocks, budget)
         if greedy is not None:
             greedy_time = sum(blocks[i][k].seconds for i, k in enumerate(greedy))
-            assert sum(o.seconds for o in chosen) <= greedy_time + 1e-9
+            assert sum(o.seconds for o in chosen(blocks, picks)) <= greedy_time + 1e-9
 
 
 def test_greedy_is_worse_than_the_dp_somewhere() -> None:
@@ -232,21 +243,16 @@ def test_chain_dp_with_segments_matches_brute_force(seed: int) -> None:
     costs, blocks = _random_chain_with_segments(rng)
     plain_peak = chain_peak(costs, [o[0] for o in blocks])
     for budget in sorted({plain_peak, 1500, 2000, 2500, 3000, 4000}):
-        expected = chain_brute_force(costs, blocks, budget)
-        picks = chain_dp(costs, blocks, budget, grid=1 << 14, rgrid=1 << 10)
-        if expected is None:
-            assert picks is None
+        picks = _dp_against_brute_force(costs, blocks, budget)
+        if picks is None:
             continue
-        assert picks is not None
-        options = chosen(blocks, picks)
         # The picks tile the chain: each segment covers the blocks marked -1 after it.
         i = 0
         while i < len(blocks):
             span = blocks[i][picks[i]].span
             assert picks[i] >= 0 and picks[i + 1 : i + span] == [-1] * (span - 1)
             i += span
-        assert chain_peak(costs, options) <= budget
-        assert sum(o.seconds for o in options) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+        assert sum(o.span for o in chosen(blocks, picks)) == len(blocks)
 
 
 def test_a_segment_beats_every_single_block_option_where_inputs_are_large() -> None:

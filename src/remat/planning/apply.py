@@ -141,15 +141,9 @@ def undo_option(block: nn.Module) -> None:
 class Segment:
     """Blocks run as one region that recomputes everything (see [ Segments on the model ])."""
 
-    def __init__(self, paths: list[str]) -> None:
-        self.paths = paths
+    def __init__(self) -> None:
         self._open: contextlib.ExitStack | None = None
         self._error: BaseException | None = None  # the error being handled when it opened
-
-    @property
-    def recording(self) -> bool:
-        """Whether the segment's region is open (between its first and last block)."""
-        return self._open is not None
 
     def enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self.close()
@@ -163,17 +157,14 @@ class Segment:
         self._open, self._error = stack, sys.exc_info()[1]
 
     def exit(self, module: nn.Module, args: Any, out: Any) -> None:
-        """The last block's forward returned, or raised."""
+        """The last block's forward, or the model's, returned or raised."""
         self.close()
 
     def exit_on_error(self, module: nn.Module, args: Any, out: Any) -> None:
-        """A block of the segment, or the model, returned or raised: close on an error only."""
+        """A block of the segment returned or raised: close on an error only."""
         error = sys.exc_info()[1]
         if error is not None and error is not self._error:
             self.close()
-
-    def exit_at_root(self, module: nn.Module, args: Any, out: Any) -> None:
-        self.close()
 
     def close(self) -> None:
         stack, self._open = self._open, None
@@ -183,13 +174,13 @@ class Segment:
 
 def apply_segment(root: nn.Module, paths: list[str]) -> Segment:
     """Run the blocks at ``paths`` (consecutive, in forward order) of ``root`` as one segment."""
-    segment = Segment(paths)
+    segment = Segment()
     blocks = [root.get_submodule(p) for p in paths]
     blocks[0].register_forward_pre_hook(segment.enter, with_kwargs=True)
     for block in blocks[:-1]:
         block.register_forward_hook(segment.exit_on_error, always_call=True)
     blocks[-1].register_forward_hook(segment.exit, always_call=True)
-    root.register_forward_hook(segment.exit_at_root, always_call=True)
+    root.register_forward_hook(segment.exit, always_call=True)
     return segment
 
 

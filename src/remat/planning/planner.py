@@ -178,12 +178,8 @@ def _segments(
             values, source = found[span], "measured"
         else:  # memory: a block more adds what the third added; time: each block its share
             a, b = found[2], found[3]
-            values = (
-                b[0] + (span - 3) * (b[0] - a[0]),
-                b[1] + (span - 3) * (b[1] - a[1]),
-                b[2] + (span - 3) * (b[2] - a[2]),
-                span * (a[3] + b[3]) / 5,
-            )
+            grown = [y + (span - 3) * (y - x) for x, y in zip(a[:3], b[:3], strict=True)]
+            values = (grown[0], grown[1], grown[2], span * (a[3] + b[3]) / 5)
             source = "extrapolated"
         kept, backward, left, seconds = values
         options.append(
@@ -486,18 +482,14 @@ def _blocks(profiled: Profiled, picks: list[int]) -> list[dict[str, str]]:
     """A plan's ``blocks`` entries for an assignment: each block's option, and for the blocks
     of a segment the path of its first block."""
     out: list[dict[str, str]] = []
-    segment: tuple[str, str, int] | None = None  # (name, first path, blocks left)
+    name, first = "", None  # the option in force, and the first block of its segment if any
     for i, (path, t, k) in enumerate(zip(profiled.paths, profiled.types, picks, strict=True)):
-        if k >= 0:
-            span = profiled.chain[i][k].span
-            segment = (profiled.names[i][k], path, span) if span > 1 else None
-        entry = {"path": path, "type": t}
-        if segment is not None:
-            name, first, left = segment
-            entry.update(option=name, segment=first)
-            segment = (name, first, left - 1) if left > 1 else None
-        else:
-            entry["option"] = profiled.names[i][k]
+        if k >= 0:  # an option starts here; -1: the segment started before goes on
+            name = profiled.names[i][k]
+            first = path if profiled.chain[i][k].span > 1 else None
+        entry = {"path": path, "type": t, "option": name}
+        if first is not None:
+            entry["segment"] = first
         out.append(entry)
     return out
 

@@ -280,7 +280,8 @@ def chain_dp(
     """The fastest assignment (one option index per block, ``-1`` where a segment covers it)
     whose predicted peak fits ``budget``, or ``None`` (see [ The chain DP ]). The prefix sums
     live on a grid of ``budget / grid`` bytes, rounded down; an answer the exact model puts
-    over the budget is solved again on a tighter budget, so what is returned always fits."""
+    over the budget is solved again on finer grids, then on tighter budgets, so what is
+    returned always fits."""
     if not blocks:
         return [] if max(costs.head, costs.tail) <= budget else None
     fastest = [
@@ -341,8 +342,7 @@ def _chain_dp_grid(
     # best[t]: the least time to boundary t (blocks before t done) in each state; a segment
     # moves from boundary i to i + span (see [ Segments ]).
     best: list[Any] = [np.full((size, rsize), inf) for _ in range(n + 1)]
-    best[0][:, :] = np.where(costs.tail + reserve <= target, 0.0, inf)[None, :]
-    best[0][1:, :] = inf
+    best[0][0] = np.where(costs.tail + reserve <= target, 0.0, inf)
     pick = [np.full((size, rsize), -1, dtype=np.int64) for _ in range(n + 1)]
     start = [np.full((size, rsize), -1, dtype=np.int64) for _ in range(n + 1)]
     for i, options in enumerate(blocks):
