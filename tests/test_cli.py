@@ -130,6 +130,32 @@ def test_bench_plans_at_each_torch_peak(tmp_path: Path, capsys: pytest.CaptureFi
     assert f"(control +-{found['control_spread']:.3f}): {found['verdict']}" in out
 
 
+def test_bench_plans_with_the_disk_tier_below_what_recompute_reaches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "r.json"
+    code, _, err = _run(
+        capsys,
+        "bench",
+        "--size", "small",
+        "--strategies", "none",
+        "--budgets", "0.3",
+        "--disk-budgets", "0.3",
+        "--rounds", "1",
+        "--json", str(out_json),
+        "--plot", str(tmp_path / "r.png"),
+    )  # fmt: skip
+    assert code == 0, err
+    rows = {r["strategy"]: r for r in json.loads(out_json.read_text())["rows"]}
+    alone, disk = rows["remat-auto@30%"], rows["remat-auto-disk@30%"]
+    # Recompute alone cannot reach 30% of the small GPT's peak; with the disk tier it can.
+    assert alone["budget_feasible"] == 0 and alone["budget_bytes"] > disk["budget_bytes"]
+    assert disk["budget_feasible"] == 1 and disk["peak_bytes"] <= disk["budget_bytes"]
+    assert disk["peak_bytes"] < alone["peak_bytes"]
+    assert alone["grads_equal"] and disk["grads_equal"]
+    assert "recompute and disk" in disk["description"]
+
+
 BAD: list[tuple[list[str], str]] = [
     (["--workload", "gtp"], "unknown workload 'gtp' (did you mean 'gpt'?)"),
     (["--size", "huge"], "unknown size 'huge'"),
@@ -144,6 +170,7 @@ BAD: list[tuple[list[str], str]] = [
     (["--offload", "--rounds", "0"], "--offload: --rounds must be at least 1"),
     (["--pipeline", "--processes", "2"], "--pipeline and --offload measure in one process"),
     (["--budgets", "0.5,tourch"], "--budgets takes fractions in (0, 1] of the plain step's"),
+    (["--disk-budgets", "0.1,2"], "--disk-budgets takes fractions in (0, 1] of the plain step"),
     (["--strategies", "none,remat-block", "--budgets", "torch"], "the run has no torch strategy"),
     (["--strategies", "remat-auto@torch-block"], "torch-block is not in the run; add it"),
     (["--strategies", "torch-block,remat-auto@torch-blok"], "unknown strategy 'torch-blok'"),

@@ -108,6 +108,47 @@ def test_block_milp_matches_brute_force(seed: int) -> None:
             assert got.seconds == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_block_milp_with_an_offload_tier_matches_brute_force(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    profile = _random_profile(rng, rng.randrange(4, 9))
+    total = sum(op.bytes for op in profile.ops)
+    per_byte = rng.choice([1e-7, 1e-6, 1e-5])  # 16 bytes to 1 KiB: 2 us to 10 ms
+    for cap in (0, total // 4, total // 2, total):
+        expected = brute_force_block(profile, cap, per_byte)
+        got = solve_block(profile, cap, offload_cost=per_byte)
+        if expected is None:
+            assert got is None
+            continue
+        assert got is not None and got.kept_bytes <= cap
+        assert got.seconds == pytest.approx(expected, rel=1e-6, abs=1e-9)
+        assert not (got.offload & got.keep) and not (got.offload & got.recompute)
+        # Never slower than recompute alone, and the tier is used where that is slower.
+        alone = brute_force_block(profile, cap)
+        assert alone is None or expected <= alone + 1e-12
+
+
+def test_an_offloaded_result_feeds_the_replays_that_read_it() -> None:
+    # a is dear to rebuild and small to write; b and c, which read it, the other way round.
+    ops = [
+        _op("m|a|0", 1000, seconds=5.0),
+        _op("m|b|0", 10_000, (0,), saved=True, seconds=1e-3),
+        _op("m|c|0", 10_000, (0,), saved=True, seconds=1e-3),
+    ]
+    profile = BlockProfile("t", ops)
+    choice = solve_block(profile, cap=0, offload_cost=1e-4)
+    assert choice is not None and choice.kept_bytes == 0
+    assert (choice.offload, choice.recompute, choice.keep) == ({0}, {1, 2}, frozenset())
+    assert choice.seconds == pytest.approx(0.1 + 2e-3 + 2 * REPLAY_OVERHEAD)
+    # Without the tier, a is rebuilt once for both.
+    alone = solve_block(profile, cap=0)
+    assert alone is not None and alone.recompute == {0, 1, 2} and alone.offload == frozenset()
+    # Views are never offloaded: their bytes are their base's.
+    view = BlockProfile("v", [ops[0], _op("m|view|0", 1000, (0,), saved=True, view=True)])
+    choice = solve_block(view, cap=0, offload_cost=1e-9)
+    assert choice is not None and choice.offload == {0} and 1 not in choice.offload
+
+
 def test_pareto_options_trade_bytes_for_time() -> None:
     profile = _random_profile(random.Random(7), 9)
     front = pareto(profile, points=6)

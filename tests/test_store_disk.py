@@ -110,6 +110,38 @@ def test_put_releases_data_once_written(tier: DiskTier) -> None:
     tier.drop(ticket)
 
 
+def test_the_allocator_sees_every_byte_the_tier_holds(tier: DiskTier) -> None:
+    """A written tensor is freed, and a read allocated, in the caller's thread, where the
+    profiler's allocator events (what the planner measures) see them: a free on a worker, or a
+    file mapped for a read, would be missing from the step's memory."""
+    from remat.planning.cost import timeline
+
+    n = 3 * 2**20
+    box: list[torch.Tensor] = []
+
+    def step(mark: object) -> None:
+        data = _bytes(n)
+        mark("put")  # type: ignore[operator]
+        ticket = tier.put(data)
+        del data
+        tier.flush()
+        mark("written")  # type: ignore[operator]
+        tier.prefetch(ticket, CPU)
+        mark("prefetched")  # type: ignore[operator]
+        box.append(tier.get(ticket, CPU))
+        mark("got")  # type: ignore[operator]
+        box.clear()
+        tier.drop(ticket)
+        mark("end")  # type: ignore[operator]
+
+    line = timeline(step, CPU)
+    level = line.levels
+    assert level["put"] - level["written"] == n  # freed by flush, in this thread
+    assert level["prefetched"] - level["written"] == n  # the read's target, allocated here
+    assert level["got"] == level["prefetched"]
+    assert level["got"] - level["end"] == n
+
+
 def test_drop_before_or_during_write_leaves_no_file(tmp_path: pathlib.Path, gate: _Gate) -> None:
     with DiskTier(tmp_path, threads=1) as tier:
         writing = tier.put(_bytes(1000))
@@ -507,20 +539,22 @@ def test_write_error_surfaces_from_next_put(
 def test_a_reported_write_error_waits_for_the_writes_still_running(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The 100-byte write fails at once; the 200-byte one is still running when the next put
-    # reports the first failure. The report waits for it and covers both, so the retry that
-    # follows (disk space back) meets no failure left over from the attempt that failed.
+    # The 100-byte write fails once the 200-byte one is queued (before, the second put would
+    # report it); the 200-byte one is still running when the next put reports the first
+    # failure. The report waits for it and covers both, so the retry that follows (disk space
+    # back) meets no failure left over from the attempt that failed.
+    queued = threading.Event()
     release = threading.Event()
 
     def full(fd: int, view: memoryview) -> None:
-        if len(view) == 200:
-            assert release.wait(5)
+        assert (release if len(view) == 200 else queued).wait(5)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(_files, "write_all", full)
     with DiskTier(tmp_path, threads=2) as tier:
         tier.put(_bytes(100))
         tier.put(_bytes(200))
+        queued.set()
         wait_for(lambda: tier.stats.failed_writes == 1)
         timer = threading.Timer(0.2, release.set)
         timer.start()

@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
         "whether the planned point dominates the torch one "
         f"(default: {_DEFAULT_BUDGETS} when --strategies is not given, else none)",
     )
+    bench.add_argument(
+        "--disk-budgets",
+        help="comma-separated budgets, as for --budgets, planned with the disk tier among what "
+        "the plan may use (remat.plan(..., tiers=['recompute', 'disk'])): adds a "
+        "remat-auto-disk@10%%-style strategy per budget, reaching below what recompute alone "
+        "can (default: none)",
+    )
     bench.add_argument("--rounds", type=int, default=7, help="timed rounds (default: 7)")
     bench.add_argument(
         "--processes",
@@ -154,7 +161,9 @@ def _bench(args: argparse.Namespace) -> int:
     budgets = args.budgets
     if budgets is None and not args.strategies:
         budgets = _DEFAULT_BUDGETS
-    strategies = list(dict.fromkeys(strategies + _budgets(budgets, strategies)))
+    strategies = list(
+        dict.fromkeys(strategies + _budgets(budgets, strategies) + _disk_budgets(args.disk_budgets))
+    )
     _check_matched(strategies)
     if args.device not in ("cpu", "cuda"):
         raise RematError(f"remat bench: --device must be cpu or cuda, got {args.device!r}.")
@@ -277,10 +286,10 @@ def _run(
 
     from rich.progress import Progress
 
-    from .bench.strategies import AUTO
+    from .bench.strategies import is_auto
 
     names = ["none", *[s for s in strategies if s != "none"]]
-    planned = [s for s in names if s.startswith(AUTO)]
+    planned = [s for s in names if is_auto(s)]
     overhead = any(s.startswith("remat-graph") for s in names)
     total = len(names) + bool(planned) + processes + overhead
     # A bar on a terminal; in a log (stdout not a terminal) one line per finished measurement.
@@ -477,12 +486,28 @@ def _budgets(text: str | None, strategies: list[str]) -> list[str]:
     return names
 
 
-def _fraction(part: str) -> float:
+def _disk_budgets(text: str | None) -> list[str]:
+    """``remat-auto-disk@...`` strategy names for ``--disk-budgets``."""
+    from .bench.strategies import auto_name
+
+    return [
+        auto_name(_fraction(part, "--disk-budgets"), "disk")
+        for part in (text or "").split(",")
+        if part
+    ]
+
+
+def _fraction(part: str, flag: str = "--budgets") -> float:
     try:
         fraction = float(part)
     except ValueError:
         fraction = -1.0
     if not 0.0 < fraction <= 1.0:
+        if flag != "--budgets":
+            raise RematError(
+                f"remat bench: {flag} takes fractions in (0, 1] of the plain step's activation "
+                f"peak, separated by commas, e.g. 0.2,0.15; got {part!r}."
+            )
         raise RematError(
             f"remat bench: --budgets takes fractions in (0, 1] of the plain step's activation "
             f"peak, or the word torch (each torch strategy's measured peak), separated by commas, "
@@ -525,7 +550,7 @@ def _subprocess(request: dict[str, Any]) -> dict[str, Any]:
 
     env: dict[str, str] = {}
     if request["kind"] == "memory":
-        # Frees of large tensors go back to the system, for strategies measured by RSS.
+        # Frees of large tensors go back to the system: the resident set follows live tensors.
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     elif request["kind"] in ("time", "plan") and request.get("allocator") == "cached":
         # The planner times its options in the conditions its plans are timed in.

@@ -73,15 +73,6 @@ def peak_step_bytes(step: Callable[[], Any], device: torch.device) -> int:
     return peak_bytes(step, device)
 
 
-def peak_rss_bytes(step: Callable[[], Any]) -> int:
-    """Peak resident bytes of ``step`` above the resident set when it started (Linux; meant for
-    a process started with ``MALLOC_MMAP_THRESHOLD_=65536``, so that frees reach the system)."""
-    reset_peak_rss()
-    base = status_bytes("VmRSS")
-    step()
-    return status_bytes("VmHWM") - base
-
-
 def _prepared(workload: Workload, strategy: str, seed: int, device: torch.device) -> nn.Module:
     model = workload.model(seed).to(device)
     get_strategy(strategy).prepare(model, workload)
@@ -98,10 +89,7 @@ def memory(workload: Workload, strategy: str, seed: int, device: torch.device) -
     training_step(model, workload, batch, seed)
     _zero_grads(model)
     step = functools.partial(training_step, model, workload, batch, seed)
-    if device.type == "cpu" and get_strategy(strategy).memory_by_rss:
-        peak = peak_rss_bytes(step)
-    else:
-        peak = peak_step_bytes(step, device)
+    peak = peak_step_bytes(step, device)
 
     plain = workload.model(seed).to(device)
     _zero_grads(model)

@@ -274,20 +274,24 @@ def write_plot(result: Result, path: Path) -> None:
         zorder=2,
         label="Pareto front",
     )
-    auto = sorted(  # in order of memory: the front as the budget shrinks
-        (r.peak_bytes / MIB, r.step_seconds)
-        for r in result.rows
-        if r.strategy.startswith("remat-auto")
-    )
-    if auto:
-        ax.plot(
-            [p[1] for p in auto],
-            [p[0] for p in auto],
-            color="tab:orange",
-            marker="o",
-            zorder=4,
-            label="remat.plan at each budget",
+    for prefix, color, label in (
+        ("remat-auto@", "tab:orange", "remat.plan at each budget"),
+        ("remat-auto-disk@", "tab:purple", "remat.plan with the disk tier"),
+    ):
+        auto = sorted(  # in order of memory: the front as the budget shrinks
+            (r.peak_bytes / MIB, r.step_seconds)
+            for r in result.rows
+            if r.strategy.startswith(prefix)
         )
+        if auto:
+            ax.plot(
+                [p[1] for p in auto],
+                [p[0] for p in auto],
+                color=color,
+                marker="o",
+                zorder=4,
+                label=label,
+            )
     ax.set_xlabel("step time (s, median)")
     ax.set_ylabel("peak activation memory (MiB)")
     ax.set_title(f"remat bench: {result.workload} ({result.device})", fontsize=10)

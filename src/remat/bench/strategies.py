@@ -46,9 +46,6 @@ class Strategy:
     needs_chain: bool = False
     needs_accelerator: bool = False
     needs_hf: bool = False  # a Hugging Face model (``remat bench --hf``)
-    # Memory by resident set instead of allocator events: on CPU, the disk tier frees tensors
-    # on its writer threads and maps what it reads, which the profiler's events do not show.
-    memory_by_rss: bool = False
 
     def unsupported(self, workload: Workload, device: str = "cpu") -> str | None:
         """Why this strategy cannot run on ``workload`` on ``device``, or None if it can."""
@@ -255,21 +252,18 @@ STRATEGIES: dict[str, Strategy] = {
             "remat.offload('disk'): every saved tensor in files",
             _offloaded("disk"),
             "none",
-            memory_by_rss=True,
         ),
         Strategy(
             "remat-block-disk",
             "remat region engine every block, block inputs in files",
             _then(_every(1, _remat_checkpoint), _offloaded("disk")),
             "remat-block",
-            memory_by_rss=True,
         ),
         Strategy(
             "remat-graph-mm-disk",
             "remat graph engine every block, matmul outputs in files, the rest recomputed",
             _graph(policies.offload_matmuls("disk")),
             "remat-graph-mm",
-            memory_by_rss=True,
         ),
     )
 }
@@ -290,9 +284,31 @@ PLANS: dict[str, dict[str, Any]] = {}
 PREDICTED: dict[int, dict[str, Any]] = {}
 
 
-def auto_name(budget: float) -> str:
-    """``remat-auto@50%`` for 0.5."""
-    return f"{AUTO}{budget * 100:g}%"
+# ``remat-auto-disk@10%``: the same, with the disk tier among what the plan may use.
+AUTO_DISK = "remat-auto-disk@"
+
+
+def is_auto(name: str) -> bool:
+    """Whether ``name`` is a planned strategy (``remat-auto@...``, ``remat-auto-disk@...``)."""
+    return name.startswith((AUTO, AUTO_DISK))
+
+
+def _spec(name: str) -> str:
+    """What follows the ``@`` of a planned strategy's name."""
+    for prefix in (AUTO, AUTO_DISK):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return ""
+
+
+def plan_tiers(name: str) -> list[str]:
+    """The tiers the planned strategy ``name`` may use."""
+    return ["recompute", "disk"] if name.startswith(AUTO_DISK) else ["recompute"]
+
+
+def auto_name(budget: float, tier: str | None = None) -> str:
+    """``remat-auto@50%`` for 0.5; ``remat-auto-disk@50%`` with the disk tier."""
+    return f"{AUTO_DISK if tier == 'disk' else AUTO}{budget * 100:g}%"
 
 
 def matched_name(torch_name: str) -> str:
@@ -302,7 +318,7 @@ def matched_name(torch_name: str) -> str:
 
 def matched_torch(name: str) -> str | None:
     """The torch strategy at whose measured peak ``name`` is planned, or None."""
-    spec = name[len(AUTO) :] if name.startswith(AUTO) else ""
+    spec = _spec(name)
     return spec if spec.startswith(TORCH) else None
 
 
@@ -312,7 +328,7 @@ def budget_of(name: str, peaks: Mapping[str, int]) -> str | int:
     strategy."""
     torch_name = matched_torch(name)
     if torch_name is None:
-        return name[len(AUTO) :]
+        return _spec(name)
     return int(peaks[torch_name])
 
 
@@ -333,22 +349,25 @@ def plan_budgets(
 ) -> dict[str, dict[str, Any]]:
     """Plans for ``budgets`` (strategy name -> budget), from one profile of the workload's model.
 
-    Each budget is solved and checked by one measured step (``solve_measured``), on a fresh
-    model. Where no plan fits, the plan is made at the budget the planner names instead, and
-    says so: ``budget_feasible`` 0, ``budget_bytes`` that budget, ``no_plan`` the planner's
-    message. Each entry also holds the plan as JSON (``plan``), its prediction, the seconds of
-    the shared profile (``profile_seconds``) and of its own solve and check (``plan_seconds``).
+    The profile measures the options of every tier some name may use (``plan_tiers``); each
+    name is solved from the options of its own tiers. Each budget is solved and checked by one
+    measured step (``solve_measured``), on a fresh model. Where no plan fits, the plan is made
+    at the budget the planner names instead, and says so: ``budget_feasible`` 0,
+    ``budget_bytes`` that budget, ``no_plan`` the planner's message. Each entry also holds
+    the plan as JSON (``plan``), its prediction, the seconds of the shared profile
+    (``profile_seconds``) and of its own solve and check (``plan_seconds``).
     """
     from ..planning.planner import profile_model
 
     model, inputs, loss_fn = _planning_inputs(workload, seed, device)
     started = time.perf_counter()
     blocks = [name for name, _ in workload.blocks(model)]
-    profiled = profile_model(model, inputs, loss_fn, blocks=blocks)
+    tiers = list(dict.fromkeys(t for name in budgets for t in plan_tiers(name)))
+    profiled = profile_model(model, inputs, loss_fn, blocks=blocks, tiers=tiers)
     profile_seconds = time.perf_counter() - started
     return {
         name: {
-            **_plan_at(profiled, budget, workload, seed, device),
+            **_plan_at(profiled.restricted(plan_tiers(name)), budget, workload, seed, device),
             "profile_seconds": profile_seconds,
         }
         for name, budget in budgets.items()
@@ -405,7 +424,7 @@ def _plan_here(name: str, model: nn.Module, workload: Workload) -> dict[str, Any
 
 
 def get_strategy(name: str) -> Strategy:
-    if name.startswith(AUTO):
+    if is_auto(name):
         return _auto_strategy(name)
     try:
         return STRATEGIES[name]
@@ -423,10 +442,14 @@ def _auto_strategy(name: str) -> Strategy:
         return Strategy(
             name, f"remat.plan at {torch_name}'s measured peak", _auto(name), torch_name
         )
-    budget = name[len(AUTO) :]
+    budget = _spec(name)
     from ..planning._budget import parse_budget
 
     parse_budget(budget, 1)  # a malformed budget fails here, with the planner's message
+    tiers = " and ".join(plan_tiers(name))
     return Strategy(
-        name, f"remat.plan at a budget of {budget} of the plain peak", _auto(name), "none"
+        name,
+        f"remat.plan at a budget of {budget} of the plain peak ({tiers})",
+        _auto(name),
+        "none",
     )

@@ -37,7 +37,8 @@ class Option:
     measured_seconds: float | None = None
     left: int = 0  # bytes still held after its backward, measured alone
     gap: float = 0.0  # the MILP's relative optimality gap
-    decisions: dict[str, str] = field(default_factory=dict)  # op key -> "keep" / "recompute"
+    # op key -> "keep", "recompute", or the tier it is offloaded to ("disk", "host")
+    decisions: dict[str, str] = field(default_factory=dict)
     # Per saved tensor: {"key", "bytes", "decision", "reason"}.
     tensors: list[dict[str, Any]] = field(default_factory=list)
     # Blocks it covers: more than one for a segment (see [ Segments ] in ``solve.py``).
@@ -45,6 +46,20 @@ class Option:
     # How its costs were found: "measured" on copies of the block, or "extrapolated" from the
     # segments of two and three blocks measured so (a segment's costs grow by a block's).
     source: str = "measured"
+    # The tier the block (or segment) runs under (``remat.offload``): what it saves goes there,
+    # for a region or a segment its input; None: nowhere.
+    tier: str | None = None
+    # Peak bytes during its forward above the level before it, measured alone; for an option
+    # that offloads, at least its twin's that keeps instead (see [ Offloaded options ]).
+    forward: int = 0
+    # Bytes that blocks before it offloaded and that come back while its backward runs, read
+    # ahead (``Store.prefetch``); a bound, from the block's own offloaded tensors.
+    ahead: int = 0
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the option sends anything to a tier."""
+        return self.tier is not None or any(d in ("disk", "host") for d in self.decisions.values())
 
 
 @dataclass
@@ -89,14 +104,15 @@ class Plan:
         """Set ``model``'s blocks up as planned, in place; returns ``model``."""
         check_fingerprint(self.fingerprint, fingerprint(model, [b["path"] for b in self.blocks]))
         self.policies = []
+        first = {b["path"]: b for b in self.blocks}
         for paths in segments(self.blocks):
-            apply_segment(model, paths)
+            apply_segment(model, paths, self.option(first[paths[0]]).tier)
         for block in self.blocks:
             o = self.option(block)
             if o.kind == "segment":
                 continue
             policy = apply_option(
-                model.get_submodule(block["path"]), block["path"], o.kind, o.decisions
+                model.get_submodule(block["path"]), block["path"], o.kind, o.decisions, o.tier
             )
             if policy is not None:
                 self.policies.append(policy)
@@ -144,6 +160,11 @@ class Plan:
             for o in options:
                 recomputed = sum(1 for d in o.decisions.values() if d == "recompute")
                 what = f", {recomputed} ops recomputed" if o.kind == "graph" else ""
+                offloaded = sum(1 for d in o.decisions.values() if d in ("disk", "host"))
+                if offloaded:
+                    what += f", {offloaded} offloaded"
+                if o.tier is not None:
+                    what += f", under remat.offload({o.tier!r})"
                 if o.source != "measured":
                     what += f" ({o.source})"
                 measured = (

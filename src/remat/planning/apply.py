@@ -3,7 +3,9 @@
 Each block gets the option its plan picked: nothing (``plain``), the region engine around the
 whole block (``region``), or the graph engine with a :class:`PlanPolicy` that looks each op up
 by its key (see [ Op keys ] in ``profile.py``). A forward pre-hook on the block starts the
-occurrence count afresh at each call.
+occurrence count afresh at each call. An option with a ``tier`` runs the block (or the
+segment) inside ``remat.offload(tier)``: what it saves goes to the tier (for a region, its
+input), entered by a forward pre-hook and left by a forward hook that runs on errors too.
 
 NOTE [ Following a plan ]
 
@@ -50,7 +52,8 @@ __all__ = ["PlanPolicy", "Segment"]
 
 @dataclass
 class PlanPolicy:
-    """Decides each op of a block by its key: ``"keep"`` or ``"recompute"``."""
+    """Decides each op of a block by its key: ``"keep"``, ``"recompute"``, or a tier's name
+    (``"disk"``, ``"host"``) to offload it there."""
 
     # What it reads besides the op (see ``policies._fields``): no attention tracking needed.
     _remat_reads: ClassVar[frozenset[str]] = frozenset({"module", "tags"})
@@ -90,13 +93,45 @@ class PlanPolicy:
                 self.unknown.append(key)
             return Decision.PREFER_SAVE
         self.followed += 1
-        return Decision.PREFER_RECOMPUTE if decision == "recompute" else Decision.PREFER_SAVE
+        return _DECISIONS.get(decision, Decision.PREFER_SAVE)
+
+
+_DECISIONS = {
+    "recompute": Decision.PREFER_RECOMPUTE,
+    "keep": Decision.PREFER_SAVE,
+    "disk": Decision.PREFER_OFFLOAD_DISK,
+    "host": Decision.PREFER_OFFLOAD_HOST,
+}
+
+
+class Offloaded:
+    """A block's forward inside ``remat.offload(tier)``: entered by a forward pre-hook, left
+    by a forward hook that runs on errors too (a stack of them, for a block that calls itself)."""
+
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+        self.open: list[contextlib.ExitStack] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        from ..store import offload
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(offload(self.tier))  # type: ignore[arg-type]
+        self.open.append(stack)
+
+    def exit(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self.open:
+            self.open.pop().close()
 
 
 def apply_option(
-    block: nn.Module, path: str, kind: str, decisions: dict[str, str]
+    block: nn.Module, path: str, kind: str, decisions: dict[str, str], tier: str | None = None
 ) -> PlanPolicy | None:
     """Set ``block`` up as one option says; returns the policy of a graph-engine option."""
+    if tier is not None:
+        offloaded = Offloaded(tier)
+        block.register_forward_pre_hook(offloaded.enter)
+        block.register_forward_hook(offloaded.exit, always_call=True)
     if kind == "plain":
         return None
     if kind == "region":
@@ -134,14 +169,21 @@ def undo_option(block: nn.Module) -> None:
     if is_wrapped(block):
         del block.forward
     for hooks in (block._forward_pre_hooks, block._forward_hooks):
-        for key in [k for k, hook in hooks.items() if hook is _reset or hook is _done]:
+        for key in [
+            k
+            for k, hook in hooks.items()
+            if hook is _reset
+            or hook is _done
+            or isinstance(getattr(hook, "__self__", None), Offloaded)
+        ]:
             del hooks[key]
 
 
 class Segment:
     """Blocks run as one region that recomputes everything (see [ Segments on the model ])."""
 
-    def __init__(self) -> None:
+    def __init__(self, tier: str | None = None) -> None:
+        self.tier = tier  # the segment's input goes to this tier (``remat.offload``)
         self._open: contextlib.ExitStack | None = None
         self._error: BaseException | None = None  # the error being handled when it opened
 
@@ -153,6 +195,10 @@ class Segment:
 
         tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         stack = contextlib.ExitStack()
+        if self.tier is not None:
+            from ..store import offload
+
+            stack.enter_context(offload(self.tier))  # type: ignore[arg-type]
         stack.enter_context(recording(recompute_everything, tensors))
         self._open, self._error = stack, sys.exc_info()[1]
 
@@ -172,9 +218,10 @@ class Segment:
             stack.close()
 
 
-def apply_segment(root: nn.Module, paths: list[str]) -> Segment:
-    """Run the blocks at ``paths`` (consecutive, in forward order) of ``root`` as one segment."""
-    segment = Segment()
+def apply_segment(root: nn.Module, paths: list[str], tier: str | None = None) -> Segment:
+    """Run the blocks at ``paths`` (consecutive, in forward order) of ``root`` as one segment,
+    its input offloaded to ``tier`` if one is given."""
+    segment = Segment(tier)
     blocks = [root.get_submodule(p) for p in paths]
     blocks[0].register_forward_pre_hook(segment.enter, with_kwargs=True)
     for block in blocks[:-1]:

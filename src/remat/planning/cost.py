@@ -30,7 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -121,15 +121,25 @@ class Measured:
     seconds: float  # extra seconds of a forward and backward over the plain block
 
 
+class Memory(NamedTuple):
+    """One block's memory, measured alone (see :func:`measure_memory`)."""
+
+    kept: int
+    backward: int
+    left: int
+    forward: int
+
+
 def measure_memory(
     block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], device: torch.device
-) -> tuple[int, int, int]:
-    """(kept, backward, left) bytes of ``block`` as it is set up (a warm-up run first): held
-    after forward, the peak in backward, and what is still held after its backward, inside the
-    same backward (beyond the output, its gradient and the input's gradient), each above the
-    level before forward. ``left`` may be negative: a plain block frees its input. The block
-    reads its inputs as results of an op, as in a chain, not as leaves: a graph engine holds
-    such inputs, and what it replayed, until the backward ends."""
+) -> Memory:
+    """The bytes of ``block`` as it is set up (a warm-up run first): held after forward
+    (``kept``), the peak in backward (``backward``), what is still held after its backward,
+    inside the same backward (``left``: beyond the output, its gradient and the input's
+    gradient), and the peak during forward (``forward``), each above the level before
+    forward. ``left`` may be negative: a plain block frees its input. The block reads its
+    inputs as results of an op, as in a chain, not as leaves: a graph engine holds such
+    inputs, and what it replayed, until the backward ends."""
     sizes: list[int] = []
 
     def run(mark: _Marks | None) -> None:
@@ -168,7 +178,7 @@ def measure_memory(
     if "inputs" in line.levels:
         left = line.levels["inputs"] - start - sum(sizes)
     backward = max(line.peaks["forward"], line.peaks.get("inputs", 0)) - start
-    return line.levels["forward"] - start, backward, left
+    return Memory(line.levels["forward"] - start, backward, left, line.peaks["start"] - start)
 
 
 def measure_seconds(

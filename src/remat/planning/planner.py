@@ -5,12 +5,36 @@ The steps, each in its own module: find the blocks and capture their inputs
 per block type for a Pareto set of per-op options and over the chain for the budget
 (``solve.py``), and write it all down (``_plan.py``). Planning leaves the model as it found
 it: parameters, gradients, buffers (BatchNorm statistics) and the random generators.
+
+NOTE [ Offloaded options ]
+
+With an offload tier (``tiers=["recompute", "disk"]``), each block type gets options that send
+what it saves there, measured like the others (the tier's memory is in the allocator's events:
+see NOTE [ Memory the allocator sees ] in ``store/disk.py``):
+
+* ``offload-disk``: the block inside ``remat.offload("disk")``, everything it saves written
+  out. What this option adds to a block's step, per byte moved, is the tier's cost per byte in
+  the block MILP (see [ The block MILP ] in ``solve.py``); the tier's bandwidths while the block
+  computed go into the plan.
+* ``region-disk``, ``segment-N-disk``: a region or a segment whose input waits in the tier.
+* ``graph-K-disk``: the MILP's per-op choices with the tier among them.
+
+A block's writes finish by the end of its forward (the scope or region flushes the tier
+there), but how many are still pending at any moment of that forward depends on the disk: in
+the worst case everything the block offloads is in memory at once, as if kept. So an
+offloading option's ``forward`` peak is taken as at least its twin's that keeps instead (the
+plain block, the region, the segment, the same per-op choice keeping what it offloads), and
+the chain counts it like a backward peak at that block. In backward, the tier reads a few
+storages ahead (``Store.prefetch``), which belong to the blocks before: an offloading option's
+backward peak counts its own largest ones that many times over (``ahead``). The plan never
+relies on the disk being fast to fit its budget; only its time does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +66,10 @@ __all__ = ["fit", "plan"]
 
 _TIERS = ("recompute", "host", "disk")
 MAX_SEGMENT = 12  # the most blocks one segment covers
+# What an offloaded byte is taken to cost (written and read back) where nothing was timed
+# (``repeats=0``): 0.5 GB/s, a disk tier's bandwidth while a 2-core CPU computes.
+OFFLOAD_SECONDS_PER_BYTE = 2e-9
+_AHEAD = 2  # storages an offload scope reads ahead in backward (``Store``'s default prefetch)
 
 
 class NoPlanFits(RematError):
@@ -75,28 +103,47 @@ def _step(
 
 
 def _tiers(tiers: Sequence[str] | None, device: torch.device) -> list[str]:
+    """The tiers a plan may use, checked; by default recompute only (offloading to disk writes
+    files, which a user asks for)."""
     if tiers is None:
         return ["recompute"]
-    chosen = list(tiers)
+    chosen = list(dict.fromkeys(tiers)) if not isinstance(tiers, str) else []
     bad = [t for t in chosen if t not in _TIERS]
     if bad or not chosen:
-        raise RematError(f"remat.plan: tiers must name some of {', '.join(_TIERS)}, got {tiers!r}.")
-    if any(t != "recompute" for t in chosen):
         raise RematError(
-            f"remat.plan: tiers={chosen!r}: the planner plans recompute only so far; offload by "
-            "hand with remat.offload or remat.policies.offload_* and plan with "
-            "tiers=['recompute']."
+            f"remat.plan: tiers must be a list of some of {', '.join(map(repr, _TIERS))}, got "
+            f"{tiers!r}; e.g. tiers=['recompute', 'disk']."
+        )
+    if "host" in chosen and device.type == "cpu":
+        raise RematError(
+            "remat.plan: tiers=['host'] moves saved tensors from an accelerator to host memory, "
+            "but this model is on the CPU, whose tensors are in host memory already; use "
+            "tiers=['recompute', 'disk'] to offload to files."
         )
     return chosen
 
 
+def _offload_tiers(tiers: Sequence[str]) -> list[str]:
+    return [t for t in tiers if t != "recompute"]
+
+
+def _bytes_of(tree: Any) -> int:
+    return sum(
+        t.untyped_storage().nbytes()
+        for t in pytree.tree_leaves(tree)
+        if isinstance(t, torch.Tensor)
+    )
+
+
 def _decisions(
-    profile: BlockProfile, choice: OpChoice
+    profile: BlockProfile, choice: OpChoice, tier: str | None = None, per_byte: float = 0.0
 ) -> tuple[dict[str, str], list[dict[str, Any]]]:
     decisions: dict[str, str] = {}
     tensors: list[dict[str, Any]] = []
     for i, op in enumerate(profile.ops):
         decision = "keep" if i in choice.keep else "recompute"
+        if tier is not None and i in choice.offload:
+            decision = tier
         decisions[op.key] = decision
         if op.saved:
             if op.must_save:
@@ -105,6 +152,11 @@ def _decisions(
                 reason = "a view: rebuilt from its base"
             elif decision == "keep":
                 reason = "kept: rebuilding it costs more than its bytes are worth here"
+            elif decision == tier:
+                reason = (
+                    f"offloaded to {tier}: {per_byte * op.bytes * 1e6:.0f} us to write and read "
+                    f"back, against {op.seconds * 1e6:.0f} us to rebuild"
+                )
             else:
                 reason = f"recomputed: {op.seconds * 1e6:.0f} us to rebuild"
             tensors.append(
@@ -147,6 +199,8 @@ def _segments(
     longest: int,
     repeats: int,
     per_block: float,
+    tier: str | None = None,
+    per_byte: float = 0.0,
 ) -> list[Option]:
     """Segment options of 2 to ``longest`` blocks (see [ Segments ] in ``solve.py``): those of
     two and three blocks measured on chains of copies of ``block`` against plain chains of the
@@ -155,47 +209,115 @@ def _segments(
     difference of two timings would carry their noise, times the blocks added). Kept and left
     bytes are written as the plain blocks' plus the segment's difference from a plain chain.
     ``per_block`` is the op model's extra seconds per block (a forward replayed and recorded),
-    the prediction when nothing is timed (``repeats=0``)."""
+    the prediction when nothing is timed (``repeats=0``). With a ``tier``, the segment's input
+    waits there (``per_byte`` seconds per byte)."""
     if longest < 2 or not _chains(block, inputs):
         return []
     single = measure_memory(copy.deepcopy(block), inputs, device)
-    found: dict[int, tuple[float, float, float, float]] = {}
+    found: dict[int, tuple[float, float, float, float, float]] = {}
     for span in (2, 3)[: longest - 1]:
         plain = _Chain(block, span)
         segment = _Chain(block, span)
-        apply_segment(segment, [f"blocks.{k}" for k in range(span)])
-        p_kept, _, p_left = measure_memory(plain, inputs, device)
-        kept_, backward_, left_ = measure_memory(segment, inputs, device)
+        apply_segment(segment, [f"blocks.{k}" for k in range(span)], tier)
+        p_kept, _, p_left, _ = measure_memory(plain, inputs, device)
+        kept_, backward_, left_, forward_ = measure_memory(segment, inputs, device)
         found[span] = (
             float(kept_ - p_kept + span * single[0]),
             float(backward_),
             float(left_ - p_left + span * single[2]),
+            float(forward_),
             measure_seconds(segment, plain, inputs, repeats) if repeats > 0 else math.nan,
         )
     options = []
+    moved = per_byte * _bytes_of(inputs[0][:1])
     for span in range(2, longest + 1):
         if span in found:
             values, source = found[span], "measured"
         else:  # memory: a block more adds what the third added; time: each block its share
             a, b = found[2], found[3]
-            grown = [y + (span - 3) * (y - x) for x, y in zip(a[:3], b[:3], strict=True)]
-            values = (grown[0], grown[1], grown[2], span * (a[3] + b[3]) / 5)
+            grown = [y + (span - 3) * (y - x) for x, y in zip(a[:4], b[:4], strict=True)]
+            values = (grown[0], grown[1], grown[2], grown[3], span * (a[4] + b[4]) / 5)
             source = "extrapolated"
-        kept, backward, left, seconds = values
+        kept, backward, left, forward, seconds = values
         options.append(
             Option(
-                name=f"segment-{span}",
+                name=f"segment-{span}" + (f"-{tier}" if tier else ""),
                 kind="segment",
                 kept=int(kept),
                 backward=int(backward),
-                seconds=span * per_block,
+                seconds=span * per_block + moved,
                 measured_seconds=seconds if repeats > 0 else None,
                 left=int(left),
                 span=span,
                 source=source,
+                tier=tier,
+                forward=int(forward),
             )
         )
     return options
+
+
+@dataclass
+class _Candidate:
+    name: str
+    kind: str
+    seconds: float  # predicted
+    decisions: dict[str, str] = field(default_factory=dict)
+    tensors: list[dict[str, Any]] = field(default_factory=list)
+    gap: float = 0.0
+    tier: str | None = None
+
+
+def _measure(
+    c: _Candidate,
+    block: nn.Module,
+    plain: nn.Module,
+    inputs: Any,
+    device: torch.device,
+    repeats: int,
+) -> Option:
+    copy_ = copy.deepcopy(block)
+    apply_option(copy_, c.name, c.kind, c.decisions, c.tier)
+    kept, backward, left, forward = measure_memory(copy_, inputs, device)
+    measured = None
+    if repeats > 0:
+        timed = c.kind != "plain" or c.tier is not None
+        measured = measure_seconds(copy_, plain, inputs, repeats) if timed else 0.0
+    return Option(
+        c.name,
+        c.kind,
+        kept,
+        backward,
+        c.seconds,
+        measured,
+        left,
+        c.gap,
+        c.decisions,
+        c.tensors,
+        tier=c.tier,
+        forward=forward,
+    )
+
+
+def _offloaded_bytes(profile: BlockProfile) -> int:
+    """What ``remat.offload`` moves of one block: its saved results of 1 KiB or more."""
+    return sum(op.bytes for op in profile.ops if op.saved and not op.view and op.bytes >= 1024)
+
+
+def _tier_stats(tier: str) -> tuple[int, float, int, float]:
+    """(bytes written, write wall seconds, bytes read, read wall seconds) of the disk tier the
+    name stands for now; zeros for a tier that does not count them."""
+    from ..store.scope import tier_named
+
+    stats = getattr(tier_named(tier), "stats", None)
+    if stats is None or not hasattr(stats, "write_wall_seconds"):
+        return 0, 0.0, 0, 0.0
+    return (
+        stats.bytes_written,
+        stats.write_wall_seconds,
+        stats.bytes_read,
+        stats.read_wall_seconds,
+    )
 
 
 def _options(
@@ -206,52 +328,130 @@ def _options(
     points: int,
     repeats: int,
     longest: int = 1,
+    tiers: Sequence[str] = ("recompute",),
+    bandwidths: dict[str, float] | None = None,
 ) -> tuple[list[Option], float]:
-    """The options of one block type, each measured on a copy of ``block``; the solve time."""
-    start = time.perf_counter()
-    front = pareto(profile, points=points)
-    solve_seconds = time.perf_counter() - start
+    """The options of one block type, each measured on a copy of ``block``; the solve time.
+    With an offload tier, the bandwidths it reached while the block computed go into
+    ``bandwidths``."""
+    recompute = "recompute" in tiers
     plain = copy.deepcopy(block)
-    candidates: list[tuple[str, str, dict[str, str], list[dict[str, Any]], float, float]] = [
-        ("plain", "plain", {}, [], 0.0, 0.0),
-        ("region", "region", {}, [], profile.forward_seconds, 0.0),
-        # The graph engine records every op in forward, and replays what it must.
-    ]
-    for k, choice in enumerate(front):
-        decisions, tensors = _decisions(profile, choice)
-        seconds = choice.seconds + RECORD_OVERHEAD * len(profile.ops)
-        candidates.append((f"graph-{k}", "graph", decisions, tensors, seconds, choice.gap))
     options: list[Option] = []
-    for name, kind, decisions, tensors, predicted, gap in candidates:
-        copy_ = copy.deepcopy(block)
-        apply_option(copy_, name, kind, decisions)
-        kept, backward, left = measure_memory(copy_, inputs, device)
-        measured = None
-        if repeats > 0:
-            measured = 0.0 if kind == "plain" else measure_seconds(copy_, plain, inputs, repeats)
-        options.append(
-            Option(name, kind, kept, backward, predicted, measured, left, gap, decisions, tensors)
+    solve_seconds = 0.0
+    candidates = [_Candidate("plain", "plain", 0.0)]
+    if recompute:
+        start = time.perf_counter()
+        front = pareto(profile, points=points)
+        solve_seconds += time.perf_counter() - start
+        candidates.append(_Candidate("region", "region", profile.forward_seconds))
+        # The graph engine records every op in forward, and replays what it must.
+        for k, choice in enumerate(front):
+            decisions, tensors = _decisions(profile, choice)
+            seconds = choice.seconds + RECORD_OVERHEAD * len(profile.ops)
+            candidates.append(
+                _Candidate(f"graph-{k}", "graph", seconds, decisions, tensors, choice.gap)
+            )
+    options = [_measure(c, block, plain, inputs, device, repeats) for c in candidates]
+    per_byte: dict[str, float] = {}
+    for tier in _offload_tiers(tiers):
+        # Everything the block saves in the tier first: what a byte there costs while the
+        # block computes, for the MILP (see [ The block MILP ]).
+        moved = _offloaded_bytes(profile)
+        before = _tier_stats(tier)
+        everything = _measure(
+            _Candidate(f"offload-{tier}", "plain", OFFLOAD_SECONDS_PER_BYTE * moved, tier=tier),
+            block,
+            plain,
+            inputs,
+            device,
+            repeats,
         )
-    # Drop options another option beats on every count (segments compete among themselves
-    # only: one covers more blocks).
+        after = _tier_stats(tier)
+        options.append(everything)
+        written, write_wall = after[0] - before[0], after[1] - before[1]
+        read, read_wall = after[2] - before[2], after[3] - before[3]
+        if bandwidths is not None and write_wall > 0 and read_wall > 0:
+            bandwidths[f"{tier}_write"] = written / write_wall
+            bandwidths[f"{tier}_read"] = read / read_wall
+        cost = OFFLOAD_SECONDS_PER_BYTE
+        if everything.measured_seconds is not None and moved > 0:
+            cost = max(everything.measured_seconds / moved, 1e-12)
+        per_byte[tier] = cost
+        if not recompute:
+            continue
+        tiered = [
+            _Candidate(
+                f"region-{tier}",
+                "region",
+                profile.forward_seconds + cost * _bytes_of(inputs[0][:1]),
+                tier=tier,
+            )
+        ]
+        start = time.perf_counter()
+        front = [c for c in pareto(profile, points=points, offload_cost=cost) if c.offload]
+        solve_seconds += time.perf_counter() - start
+        for k, choice in enumerate(front):
+            decisions, tensors = _decisions(profile, choice, tier, cost)
+            seconds = choice.seconds + RECORD_OVERHEAD * len(profile.ops)
+            tiered.append(
+                _Candidate(f"graph-{k}-{tier}", "graph", seconds, decisions, tensors, choice.gap)
+            )
+        options += [_measure(c, block, plain, inputs, device, repeats) for c in tiered]
+    twins = {o.name: o for o in options}
+    sizes = sorted((op.bytes for op in profile.ops if op.saved and not op.view), reverse=True)
+    for o in options:
+        if o.offloads:  # see [ Offloaded options ]
+            if o.kind == "graph":
+                back = sorted(
+                    (op.bytes for op in profile.ops if o.decisions.get(op.key) in _TIERS),
+                    reverse=True,
+                )
+            else:
+                back = sizes if o.kind == "plain" else [_bytes_of(inputs[0][:1])] * _AHEAD
+            o.ahead = sum(back[:_AHEAD])
+            if o.kind == "graph":
+                kept = {k: "keep" if d in _TIERS[1:] else d for k, d in o.decisions.items()}
+                twin = copy.deepcopy(block)
+                apply_option(twin, o.name, "graph", kept)
+                o.forward = max(o.forward, measure_memory(twin, inputs, device).forward)
+            else:
+                o.forward = max(o.forward, twins[o.kind].forward)
+
+    # Drop options another option beats on every count, time as the chain counts it (segments
+    # compete among themselves only: one covers more blocks).
+    def counts(o: Option) -> tuple[int, int, float, int]:
+        return (o.kept, o.backward, _chain_seconds(o), o.left)
+
     kept_options = [
         o
         for o in options
-        if o.kind == "plain"
+        if (o.kind == "plain" and o.tier is None)
         or not any(
             p is not o
-            and p.kept <= o.kept
-            and p.backward <= o.backward
-            and p.seconds <= o.seconds
-            and p.left <= o.left
             and p.span == o.span
-            and (p.kept, p.backward, p.seconds, p.left) != (o.kept, o.backward, o.seconds, o.left)
+            and all(x <= y for x, y in zip(counts(p), counts(o), strict=True))
+            and counts(p) != counts(o)
             for p in options
         )
     ]
+    if not recompute:
+        return kept_options, solve_seconds
     per_block = profile.forward_seconds + RECORD_OVERHEAD * len(profile.ops)
     segments = _segments(block, inputs, device, longest, repeats, per_block)
+    kept_forward = {o.span: o.forward for o in segments}
+    for tier in _offload_tiers(tiers):
+        for o in _segments(
+            block, inputs, device, longest, repeats, per_block, tier, per_byte[tier]
+        ):
+            o.forward = max(o.forward, kept_forward[o.span])  # see [ Offloaded options ]
+            o.ahead = _AHEAD * _bytes_of(inputs[0][:1])
+            segments.append(o)
     return kept_options + segments, solve_seconds
+
+
+def _chain_seconds(o: Option) -> float:
+    """Measured (paired medians) where the planner measured, else the op model's."""
+    return o.measured_seconds if o.measured_seconds is not None else o.seconds
 
 
 def _runs(types: list[str]) -> dict[str, int]:
@@ -286,9 +486,10 @@ def _chain(
             [
                 ChainOption(
                     kept=max(sum(plain.kept[i : i + o.span]) + o.kept - o.span * base[t].kept, 0),
-                    backward=o.backward,
-                    # Measured (paired medians) where the planner measured, else the op model.
-                    seconds=o.measured_seconds if o.measured_seconds is not None else o.seconds,
+                    # In forward, an offloading block may hold what it writes until the block
+                    # ends (see [ Offloaded options ]).
+                    backward=max(o.backward + o.ahead, o.forward) if o.offloads else o.backward,
+                    seconds=_chain_seconds(o),
                     # What it holds after its own backward until the whole backward ends, beyond
                     # plain: a graph-engine region's records, and a region's saved input
                     # (measured: a ConvNet's regions hold it, and leaving it out underestimated
@@ -338,12 +539,35 @@ class Profiled:
     tiers: list[str]
     solve_seconds: float
     profile_seconds: float
+    # Bytes per second each offload tier wrote and read while a block computed.
+    bandwidths: dict[str, float] = field(default_factory=dict)
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
     names: list[list[str]] = field(init=False)  # the name of each chain option
 
     def __post_init__(self) -> None:
         self.costs, self.chain, self.names = _chain(self.plain, self.types, self.options)
+
+    def restricted(self, tiers: Sequence[str]) -> Profiled:
+        """The same measurements with only the options that use no more than ``tiers``."""
+        allowed = set(tiers)
+        if not allowed <= set(self.tiers):
+            raise RematError(
+                f"remat.plan: expected tiers among the profiled {self.tiers!r}, got {tiers!r}; "
+                "profile with those tiers."
+            )
+        options = {t: [o for o in opts if _uses(o) <= allowed] for t, opts in self.options.items()}
+        return dataclasses.replace(self, options=options, tiers=list(tiers))
+
+
+def _uses(o: Option) -> set[str]:
+    """The tiers option ``o`` uses."""
+    used = {d for d in o.decisions.values() if d in _TIERS}
+    if o.tier is not None:
+        used.add(o.tier)
+    if o.kind in ("region", "segment") or "recompute" in o.decisions.values():
+        used.add("recompute")
+    return used
 
 
 @contextlib.contextmanager
@@ -391,6 +615,7 @@ def profile_model(
         found = capture(model, paths, step)
         plain = measure_plain_step(model, paths, step, device, repeats=max(repeats // 2, 1))
         options: dict[str, list[Option]] = {}
+        bandwidths: dict[str, float] = {}
         solve_seconds = 0.0
         longest = {t: min(n, MAX_SEGMENT) for t, n in _runs(found.types).items()}
         for t in dict.fromkeys(found.types):
@@ -398,7 +623,15 @@ def profile_model(
             block = model.get_submodule(path)
             profile = profile_block(block, found.inputs[path], t, repeats=max(repeats // 2, 1))
             options[t], seconds = _options(
-                block, found.inputs[path], profile, device, points, repeats, longest[t]
+                block,
+                found.inputs[path],
+                profile,
+                device,
+                points,
+                repeats,
+                longest[t],
+                chosen_tiers,
+                bandwidths,
             )
             solve_seconds += seconds
     return Profiled(
@@ -410,6 +643,7 @@ def profile_model(
         tiers=chosen_tiers,
         solve_seconds=solve_seconds,
         profile_seconds=time.perf_counter() - started,
+        bandwidths=bandwidths,
     )
 
 
@@ -468,7 +702,7 @@ def solve(profiled: Profiled, budget: Any) -> Plan:
             },
         },
         tiers=profiled.tiers,
-        bandwidths={},
+        bandwidths=dict(profiled.bandwidths),
         pareto=curve,
         measured={
             "profile_seconds": profiled.profile_seconds,
@@ -593,7 +827,10 @@ def plan(
         loss_fn: ``loss_fn(output) -> scalar``; by default the sum of the output.
         blocks: the repeated blocks, as submodule paths or a module class; by default the
             children of the largest ``nn.ModuleList``/``nn.Sequential`` of one class.
-        tiers: what the plan may use; ``["recompute"]`` (the default) so far.
+        tiers: what the plan may use: ``"recompute"`` (the default, alone), ``"disk"`` (files
+            in a private directory, see :class:`~remat.store.DiskTier`; the tier named
+            ``"disk"`` when the plan runs, see :func:`remat.store.tiers`), ``"host"`` (pinned
+            host memory, for a model on an accelerator).
         points: caps swept per block type for the per-op options.
         repeats: timing repeats (medians) per measured option.
 

@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 from .. import _state
 from .._aten import op_info
 from .._dispatch import EagerMode
+from .._nodes import _BLANK, _METADATA_ONLY
 from ..errors import RematError
 from ..modules import checkpoint_wrapper
 from ..policies import Decision, OpContext, must_save_reason
@@ -52,7 +53,7 @@ class OpRecord:
     saved: bool
     deps: tuple[int, ...]
     must_save: bool
-    view: bool = False  # its results alias its arguments: rebuilt for free, never kept
+    view: bool = False  # its results alias its arguments (or are blank): rebuilt for free
     seconds: float = 0.0
 
 
@@ -211,6 +212,8 @@ class _Observer:
         graph = _state.state.graph
         self.graph = graph
         deps: set[int] = set()
+        if op.overloadpacket.__name__ in _METADATA_ONLY:  # its first argument: only the shape
+            args = args[1:]
         for t in pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and graph is not None:
                 entry = graph.lookup(t)
@@ -225,7 +228,9 @@ class _Observer:
                 saved=False,
                 deps=tuple(sorted(deps)),
                 must_save=must_save_reason(op) is not None,
-                view=not op_info(op).any_fresh,
+                # A view is rebuilt from its base; a blank result (``empty_like``) by an
+                # allocation: neither is ever stored, so neither is kept nor offloaded.
+                view=not op_info(op).any_fresh or op.overloadpacket.__name__ in _BLANK,
             )
         )
         return Decision.PREFER_SAVE

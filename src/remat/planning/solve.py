@@ -20,6 +20,12 @@ The objective is the recompute time ``sum (t_i + overhead) r_i``, plus a tie-bre
 millionth of a second per MiB kept so that among equally fast options the smaller one wins.
 Solving for a sweep of caps gives the Pareto set of (kept bytes, recompute time).
 
+With an offload tier, a third binary ``o_i`` (op i's result waits in the tier) counts as
+stored in rules 1 and 2 (``k_i + r_i + o_i >= 1``, ``k_j + r_j + o_j >= r_i``: the engine
+replays from an offloaded result as from a kept one), never for views, not in the cap (its
+bytes leave memory once written), and costs ``c * b_i`` seconds: the tier's measured cost per
+byte (what writing it out and reading it back adds to a block's step while the block computes).
+
 NOTE [ The chain DP ]
 
 Block i with option o keeps ``K[i][o]`` bytes after its forward, needs ``B[o]`` bytes above
@@ -77,6 +83,7 @@ class OpChoice:
     kept_bytes: int
     seconds: float
     gap: float  # the solver's relative optimality gap
+    offload: frozenset[int] = frozenset()  # results that wait in the offload tier
 
 
 def _relevant(profile: BlockProfile) -> list[int]:
@@ -92,9 +99,12 @@ def _relevant(profile: BlockProfile) -> list[int]:
     return sorted(needed)
 
 
-def solve_block(profile: BlockProfile, cap: int, time_limit: float = 5.0) -> OpChoice | None:
+def solve_block(
+    profile: BlockProfile, cap: int, time_limit: float = 5.0, offload_cost: float | None = None
+) -> OpChoice | None:
     """The fastest keep/recompute choice for ``profile`` keeping at most ``cap`` bytes, by
-    HiGHS; ``None`` when no choice fits (see [ The block MILP ])."""
+    HiGHS; ``None`` when no choice fits (see [ The block MILP ]). With ``offload_cost``
+    (seconds per byte), results may be offloaded too."""
     try:
         import numpy as np
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -109,9 +119,10 @@ def solve_block(profile: BlockProfile, cap: int, time_limit: float = 5.0) -> OpC
     index = {n: i for i, n in enumerate(nodes)}
     m = len(nodes)
     ops = profile.ops
-    cost = np.zeros(2 * m)
-    lower = np.zeros(2 * m)
-    upper = np.ones(2 * m)
+    width = 3 * m if offload_cost is not None else 2 * m  # k, r and, with a tier, o
+    cost = np.zeros(width)
+    lower = np.zeros(width)
+    upper = np.ones(width)
     # Time in units of replaying every op once; bytes, as a tie-break, in units of keeping
     # everything, weighted far below any op's replay.
     total_seconds = sum(ops[n].seconds + REPLAY_OVERHEAD for n in nodes)
@@ -125,16 +136,27 @@ def solve_block(profile: BlockProfile, cap: int, time_limit: float = 5.0) -> OpC
             upper[m + i] = 0
         if op.view and not op.must_save:
             upper[i] = 0
+        if offload_cost is not None:
+            cost[2 * m + i] = offload_cost * op.bytes / total_seconds
+            if op.view or op.bytes == 0:
+                upper[2 * m + i] = 0
+
+    def stored(i: int) -> dict[int, float]:
+        out = {i: 1.0, m + i: 1.0}
+        if offload_cost is not None:
+            out[2 * m + i] = 1.0
+        return out
+
     rows: list[tuple[dict[int, float], float, float]] = []
     for n, i in index.items():
         op = ops[n]
         if op.saved:
-            rows.append(({i: 1.0, m + i: 1.0}, 1.0, math.inf))
+            rows.append((stored(i), 1.0, math.inf))
         for d in op.deps:
             j = index[d]
-            rows.append(({j: 1.0, m + j: 1.0, m + i: -1.0}, 0.0, math.inf))
+            rows.append(({**stored(j), m + i: -1.0}, 0.0, math.inf))
     rows.append(({i: float(ops[n].bytes) for n, i in index.items()}, -math.inf, float(cap)))
-    a = lil_matrix((len(rows), 2 * m))
+    a = lil_matrix((len(rows), width))
     lo = np.empty(len(rows))
     hi = np.empty(len(rows))
     for r, (coefs, low, high) in enumerate(rows):
@@ -144,38 +166,46 @@ def solve_block(profile: BlockProfile, cap: int, time_limit: float = 5.0) -> OpC
     result = milp(
         cost,
         constraints=LinearConstraint(a.tocsr(), lo, hi),
-        integrality=np.ones(2 * m),
+        integrality=np.ones(width),
         bounds=Bounds(lower, upper),
         options={"time_limit": time_limit, "mip_rel_gap": 1e-6},
     )
     if result.x is None:
         return None
     x = np.round(result.x).astype(int)
-    recompute = frozenset(nodes[i] for i in range(m) if x[m + i] and not x[i])
-    # What is kept and read: saved, or read by a replay (the engine drops the rest at exit).
+    off = x[2 * m :] if offload_cost is not None else np.zeros(m, dtype=int)
+    recompute = frozenset(nodes[i] for i in range(m) if x[m + i] and not x[i] and not off[i])
+    # What is stored and read: saved, or read by a replay (the engine drops the rest at exit).
     read = {d for n in recompute for d in ops[n].deps}
-    keep = frozenset(
-        nodes[i] for i in range(m) if x[i] and (ops[nodes[i]].saved or nodes[i] in read)
-    )
+    wanted = [i for i in range(m) if ops[nodes[i]].saved or nodes[i] in read]
+    keep = frozenset(nodes[i] for i in wanted if x[i])
+    offload = frozenset(nodes[i] for i in wanted if off[i] and not x[i])
     gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
     return OpChoice(
         keep=keep,
         recompute=recompute,
         kept_bytes=sum(ops[n].bytes for n in keep),
-        seconds=sum(ops[n].seconds + REPLAY_OVERHEAD for n in recompute),
+        seconds=sum(ops[n].seconds + REPLAY_OVERHEAD for n in recompute)
+        + (offload_cost or 0.0) * sum(ops[n].bytes for n in offload),
         gap=gap,
+        offload=offload,
     )
 
 
-def pareto(profile: BlockProfile, points: int = 8, time_limit: float = 5.0) -> list[OpChoice]:
+def pareto(
+    profile: BlockProfile,
+    points: int = 8,
+    time_limit: float = 5.0,
+    offload_cost: float | None = None,
+) -> list[OpChoice]:
     """Block MILP solutions for a sweep of caps, fastest first, without dominated ones."""
     total = sum(op.bytes for op in profile.ops if op.saved and not op.view)
-    found: dict[frozenset[int], OpChoice] = {}
+    found: dict[tuple[frozenset[int], frozenset[int]], OpChoice] = {}
     for k in range(points):
         cap = int(total * (1 - k / (points - 1))) if points > 1 else total
-        choice = solve_block(profile, cap, time_limit)
+        choice = solve_block(profile, cap, time_limit, offload_cost)
         if choice is not None:
-            found.setdefault(choice.keep, choice)
+            found.setdefault((choice.keep, choice.offload), choice)
     choices = sorted(found.values(), key=lambda c: (c.seconds, c.kept_bytes))
     front: list[OpChoice] = []
     for c in choices:
@@ -184,16 +214,23 @@ def pareto(profile: BlockProfile, points: int = 8, time_limit: float = 5.0) -> l
     return front
 
 
-def brute_force_block(profile: BlockProfile, cap: int) -> float | None:
-    """The MILP's optimum by enumeration, for tiny graphs in tests: minimal recompute time."""
+def brute_force_block(
+    profile: BlockProfile, cap: int, offload_cost: float | None = None
+) -> float | None:
+    """The MILP's optimum by enumeration, for tiny graphs in tests: minimal recompute time
+    (plus the offload cost of what is offloaded, with a tier)."""
     nodes = _relevant(profile)
     ops = profile.ops
     best: float | None = None
-    for keep_bits in itertools.product((0, 1), repeat=len(nodes)):
-        keep = {n for n, b in zip(nodes, keep_bits, strict=True) if b}
-        if any(ops[n].view and not ops[n].must_save for n in keep):
+    states = (0, 1, 2) if offload_cost is not None else (0, 1)  # 1: kept, 2: offloaded
+    for bits in itertools.product(states, repeat=len(nodes)):
+        keep = {n for n, b in zip(nodes, bits, strict=True) if b}
+        offloaded = {n for n, b in zip(nodes, bits, strict=True) if b == 2}
+        if any(ops[n].view and not ops[n].must_save for n in keep - offloaded):
             continue
-        if sum(ops[n].bytes for n in keep) > cap:
+        if any(ops[n].view or ops[n].bytes == 0 for n in offloaded):
+            continue
+        if sum(ops[n].bytes for n in keep - offloaded) > cap:
             continue
         # Recompute what is needed and not kept, transitively.
         recompute: set[int] = set()
@@ -211,6 +248,10 @@ def brute_force_block(profile: BlockProfile, cap: int) -> float | None:
         if not ok:
             continue
         seconds = sum(ops[n].seconds + REPLAY_OVERHEAD for n in recompute)
+        # An offloaded result costs its transfer only where something reads it.
+        read = {d for n in recompute for d in ops[n].deps}
+        used = {n for n in offloaded if ops[n].saved or n in read}
+        seconds += (offload_cost or 0.0) * sum(ops[n].bytes for n in used)
         if best is None or seconds < best - 1e-12:
             best = seconds
     return best

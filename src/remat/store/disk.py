@@ -21,19 +21,18 @@ state (``_Shared``), never the tier itself, so a forgotten tier is collected at 
    and its bytes count as pending; if pending bytes would pass ``max_pending_bytes``, ``put``
    first waits for earlier writes (a single larger put waits until nothing else is pending).
    A write is queued; ``put`` returns the ticket at once.
-2. **written**: a worker creates ``<seq>.bin`` (``O_EXCL``, mode ``0o600``), writes it, closes
-   it, and lets go of the tensor: from here on the bytes live only in the file (and the page
-   cache, which the kernel may reclaim), which is what frees the RAM.
+2. **written**: a worker creates ``<seq>.bin`` (``O_EXCL``, mode ``0o600``), writes it and
+   closes it; from here on the bytes live in the file (and the page cache, which the kernel
+   may reclaim). The worker does not let go of the tensor itself: the next call of the tier
+   in the caller's thread (``put``, ``prefetch``, ``get``, ``flush``, ``drop``) does, which is
+   what frees the RAM. See NOTE [ Memory the allocator sees ].
 3. **prefetch**: a fresh tensor is allocated in the caller's thread (pinned when the target
-   is a CUDA device; the caller's thread, so that its malloc arena gets the memory back when
-   the caller frees it) and a read into it is queued; the read waits for the write (queued
+   is a CUDA device) and a read into it is queued; the read waits for the write (queued
    before it, so it never deadlocks the pool).
 4. **get**: takes the prefetched tensor if there is one (and forgets it: the caller owns it),
-   else reads now in the caller's thread. For the CPU, "reading" maps the file privately
-   (``torch.from_file``): the tensor's pages are the page cache's, so there is no copy and no
-   fresh memory to fault in, and a prefetch faults the pages in on the worker. For a non-CPU
-   device the bytes are read into (pinned) CPU memory and copied to the device. The file
-   stays, so a second backward can ``get`` again.
+   else reads now into a fresh tensor in the caller's thread; for a non-CPU device the bytes
+   are read into (pinned) CPU memory and copied to the device. The file stays, so a second
+   backward can ``get`` again.
 5. **drop**: forgets the ticket; the file is removed at once if no I/O on it is pending, else by
    the worker that finishes the last one. A write that has not started yet is skipped, so a
    drop before the write never leaves a file.
@@ -58,7 +57,18 @@ state (``_Shared``), never the tier itself, so a forgotten tier is collected at 
    directory, and the next process creating a directory under the same parent removes every
    directory whose lock it can take (``_files.sweep_stale``; NOTE [ Who is alive: a lock, not
    a pid ] in ``_files.py``), whatever PID namespace either process runs in.
-"""
+
+
+NOTE [ Memory the allocator sees ]
+
+Every byte the tier holds in RAM is allocated and freed in the caller's thread, never on a
+worker: a written tensor is let go by the caller's next call of the tier, and a read goes into
+a tensor the caller allocated. The caller's thread is where the step runs (on the CPU,
+autograd's backward too), so its memory, as ``torch.profiler``'s allocator events and the
+malloc arena of that thread see it, includes what the tier holds, and is what the planner
+measures and the budget bounds. A worker freeing the tensor it wrote, or a file mapped into
+memory for a read, would be invisible there: the first made the step look larger than it is,
+the second smaller."""
 
 from __future__ import annotations
 
@@ -143,6 +153,7 @@ class _Shared:
             max_workers=threads, thread_name_prefix="remat-disk"
         )
         self.tickets: set[_DiskTicket] = set()
+        self.written: list[_DiskTicket] = []  # written, their tensors not let go of yet
         self.errors: list[tuple[RematError, int]] = []  # (error, bytes that failed)
         self.closed = False
         self.seq = 0
@@ -152,6 +163,15 @@ class _Shared:
         self.stats = DiskStats()
 
     # All methods ending in _locked run with self.cond held.
+
+    def release(self) -> None:
+        """Let go of the tensors written so far, in the caller's thread (see [2. written])."""
+        with self.cond:
+            written, self.written = self.written, []
+            held = [t.data for t in written]
+            for t in written:
+                t.data = None
+        del held  # outside the lock: freeing may take a while
 
     def check_open_locked(self) -> None:
         if os.getpid() != self.pid:
@@ -227,6 +247,7 @@ class _Shared:
                 ticket.data = None  # a queued write sees it and skips
                 ticket.load = None
             self.tickets.clear()
+            self.written.clear()
             self.errors.clear()
             self.cond.notify_all()
         if os.getpid() != self.pid:  # a forked child: the files are the parent's
@@ -295,6 +316,7 @@ class DiskTier:
         """
         _check_data(data)
         shared = self._shared
+        shared.release()
         nbytes = data.numel()
         inline = False
         with shared.cond:
@@ -321,20 +343,21 @@ class DiskTier:
                 inline = True
         if inline:
             _write(shared, ticket)
+        if waited:  # writes finished while this put waited: let go of their tensors
+            shared.release()
         return ticket
 
     def prefetch(self, ticket: Ticket, device: torch.device) -> None:
         """Start reading *ticket* back in the background; harmless if already started."""
         shared = self._shared
+        shared.release()
         with shared.cond:
             ticket = shared.check_ticket_locked(ticket)
             if ticket.load is not None or ticket.error is not None:
                 return
-        # Allocated in the caller's thread, whose malloc arena gets the memory back when the
-        # caller frees the tensor, and outside the lock (pinning may take a while). A CPU
-        # target needs none: the file is mapped (see [4. get]).
-        device = torch.device(device)
-        buffer = None if device.type == "cpu" else _empty(ticket.nbytes, device)
+        # Allocated in the caller's thread (see [ Memory the allocator sees ]), outside the
+        # lock (pinning may take a while).
+        buffer = _empty(ticket.nbytes, torch.device(device))
         with shared.cond:
             if shared.closed or ticket.dropped or ticket.load is not None:
                 return  # closed, dropped or prefetched by another thread meanwhile
@@ -352,6 +375,7 @@ class DiskTier:
         """
         device = torch.device(device)
         shared = self._shared
+        shared.release()
         with shared.cond:
             ticket = shared.check_ticket_locked(ticket)
             if ticket.error is not None:
@@ -366,6 +390,7 @@ class DiskTier:
     def drop(self, ticket: Ticket) -> None:
         """Forget *ticket*; its file goes as soon as no I/O on it is pending. Never blocks."""
         shared = self._shared
+        shared.release()
         with shared.cond:
             if not isinstance(ticket, _DiskTicket) or ticket not in shared.tickets:
                 return
@@ -382,6 +407,8 @@ class DiskTier:
         shared = self._shared
         with shared.cond:
             shared.cond.wait_for(lambda: shared.writes_in_flight == 0 or shared.closed)
+        shared.release()
+        with shared.cond:
             shared.raise_errors_locked()
 
     def close(self) -> None:
@@ -414,10 +441,7 @@ class DiskTier:
             start = shared.begin_locked("read")
         out: torch.Tensor | None = None
         try:
-            if device.type == "cpu":
-                out = _map(ticket.path, ticket.nbytes, touch=False)
-            else:
-                out = _files.read_file(ticket.path, _empty(ticket.nbytes, device))
+            out = _files.read_file(ticket.path, _empty(ticket.nbytes, device))
         except OSError as exc:
             raise _read_error(ticket, exc) from exc
         finally:
@@ -493,9 +517,12 @@ def _write(shared: _Shared, ticket: _DiskTicket) -> None:
                 _files.unlink_quietly(ticket.path)
                 error = _write_error(shared.directory, nbytes, exc)
     finally:
-        del data
+        del data  # the ticket still holds it: the caller lets go (see [2. written])
         with shared.cond:
-            ticket.data = None
+            if ticket.data is not None and not shared.closed:
+                shared.written.append(ticket)
+            else:
+                ticket.data = None
             ticket.writing = False
             shared.stats.pending_bytes -= nbytes
             if not skip:
@@ -517,25 +544,8 @@ def _write(shared: _Shared, ticket: _DiskTicket) -> None:
                 shared.cond.notify_all()
 
 
-def _map(path: pathlib.Path, nbytes: int, touch: bool) -> torch.Tensor:
-    """The file's bytes as a CPU tensor mapped from it (private: writes to the tensor stay in
-    memory). Its pages come straight from the page cache, with no copy and no fresh memory to
-    fault in; the mapping outlives the file's removal. ``touch`` faults every page in now
-    (on a prefetching worker, so that backward finds them resident)."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    try:
-        out = torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8)
-    except RuntimeError as exc:  # missing or short file, failed mmap
-        raise OSError(errno.EIO, f"cannot map {nbytes} bytes: {exc}", str(path)) from exc
-    if touch:
-        bytes(_files.byte_view(out)[::4096])  # one byte of every page
-    return out
-
-
-def _load(shared: _Shared, ticket: _DiskTicket, buffer: torch.Tensor | None) -> torch.Tensor | None:
-    """Worker: read one ticket into *buffer* (or map it, for the CPU) for a prefetch;
-    ``None`` if nothing to read."""
+def _load(shared: _Shared, ticket: _DiskTicket, buffer: torch.Tensor) -> torch.Tensor | None:
+    """Worker: read one ticket into *buffer* for a prefetch; ``None`` if nothing to read."""
     out: torch.Tensor | None = None
     try:
         with shared.cond:
@@ -545,10 +555,7 @@ def _load(shared: _Shared, ticket: _DiskTicket, buffer: torch.Tensor | None) -> 
                 return None
             start = shared.begin_locked("read")
         try:
-            if buffer is None:
-                out = _map(ticket.path, ticket.nbytes, touch=True)
-            else:
-                out = _files.read_file(ticket.path, buffer)
+            out = _files.read_file(ticket.path, buffer)
         finally:
             with shared.cond:
                 shared.end_locked("read", start, None if out is None else ticket.nbytes)

@@ -1,0 +1,216 @@
+"""Offload tiers in the planner: ``remat.plan(..., tiers=["recompute", "disk"])`` (see
+[ The block MILP ] in planning/solve.py and NOTE [ Memory the allocator sees ] in store/disk.py)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import remat
+from remat import RematError
+from remat.bench.measure import peak_step_bytes
+from remat.planning.apply import apply_option, undo_option
+from remat.planning.planner import NoPlanFits, _smallest, profile_model, solve, solve_measured
+from remat.planning.profile import profile_block
+from remat.planning.solve import solve_block
+from remat.store import DiskTier
+from remat.workloads.mlp import MLPBlock
+
+
+class _Net(nn.Module):
+    """Blocks with dropout, then a BatchNorm head: buffers must update exactly once a step."""
+
+    def __init__(self, n: int = 6, width: int = 128) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(MLPBlock(width, 0.1) for _ in range(n)))
+        self.norm = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.norm(self.blocks(x)))
+        return out
+
+
+def _build() -> _Net:
+    torch.manual_seed(0)
+    return _Net().train()
+
+
+X = torch.randn(256, 128, generator=torch.Generator().manual_seed(1))
+TARGET = torch.randn(256, 128, generator=torch.Generator().manual_seed(2))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return (out - TARGET).square().mean()
+
+
+@pytest.fixture
+def disk(tmp_path: Any) -> Iterator[DiskTier]:
+    """A disk tier of the test's own, as the tier named "disk" for what runs in the test."""
+    with DiskTier(tmp_path) as tier, remat.store.tiers(disk=tier):
+        yield tier
+
+
+def _files(tier: DiskTier) -> list[Any]:
+    return list(tier.directory.iterdir())
+
+
+def test_tiers_are_checked_before_any_work() -> None:
+    model = _build()
+    with pytest.raises(RematError, match="host memory already"):
+        remat.plan(model, X, "50%", _loss, tiers=["recompute", "host"])
+    for bad in (["recompute", "tape"], "disk", []):
+        with pytest.raises(RematError, match="tiers must be a list"):
+            remat.plan(model, X, "50%", _loss, tiers=bad)  # type: ignore[arg-type]
+
+
+def test_the_disk_tier_plans_below_what_recompute_alone_reaches(disk: DiskTier) -> None:
+    model = _build()
+    alone = profile_model(model, X, _loss, repeats=0)
+    tiered = profile_model(model, X, _loss, tiers=["recompute", "disk"], repeats=0)
+    assert alone.tiers == ["recompute"] and tiered.tiers == ["recompute", "disk"]
+    floor = _smallest(alone.costs, alone.chain)
+    lower = _smallest(tiered.costs, tiered.chain)
+    assert lower < 0.9 * floor, (lower, floor)
+    budget = (lower + floor) // 2
+    with pytest.raises(NoPlanFits):
+        solve(alone, budget)
+    plan = solve_measured(tiered, budget, model, X, _loss)
+    used = [plan.option(b) for b in plan.blocks]
+    assert any(o.tier == "disk" or "disk" in o.decisions.values() for o in used), plan.summary()
+    assert plan.measured["verified_peak"] <= budget
+    # The prediction is the measured peak of the applied plan, as a user measures it.
+    applied = plan.apply(copy.deepcopy(model))
+
+    def step() -> None:
+        _loss(applied(X)).backward()  # type: ignore[no-untyped-call]
+
+    step()  # a warm-up step, as the planner's
+    measured = peak_step_bytes(step, torch.device("cpu"))
+    assert abs(measured - plan.predicted_peak) <= 0.03 * plan.predicted_peak
+    assert measured <= budget
+    assert disk.stats.bytes_written > 0 and _files(disk) == []
+
+
+def test_a_disk_plan_in_a_users_loop_with_save_and_resume(disk: DiskTier, tmp_path: Any) -> None:
+    """AdamW, clip_grad_norm_, zero_grad(set_to_none=True), a save after two steps and a
+    resumed third step in a fresh model with the plan loaded: bit-equal to three plain steps,
+    and no file of the tier outlives a step."""
+    model, plain = _build(), _build()
+    profiled = profile_model(model, X, _loss, tiers=["recompute", "disk"], repeats=0)
+    plan = solve(profiled, _smallest(profiled.costs, profiled.chain))
+    assert any(plan.option(b).tier == "disk" for b in plan.blocks), plan.summary()
+    plan.apply(model)
+    plan.save(tmp_path / "plan.json")
+
+    def steps(m: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> list[Any]:
+        out: list[Any] = []
+        for step in range(first, last):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            loss = _loss(m(X))
+            loss.backward()  # type: ignore[no-untyped-call]
+            assert _files(disk) == []
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.5)
+            opt.step()
+            out += [loss.detach(), norm, *[p.detach().clone() for p in m.parameters()]]
+            out += [b.clone() for b in m.buffers()]
+        return out
+
+    def adamw(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+    expected = steps(plain, adamw(plain), 0, 3)
+    written = disk.stats.bytes_written
+    opt = adamw(model)
+    got = steps(model, opt, 0, 2)
+    assert disk.stats.bytes_written > written
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    assert list(model.state_dict()) == list(plain.state_dict())
+
+    loaded = remat.Plan.load(tmp_path / "plan.json")
+    assert loaded.to_json() == plan.to_json()
+    resumed = loaded.apply(_build())
+    saved = torch.load(tmp_path / "ckpt.pt")
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = adamw(resumed)
+    resumed_opt.load_state_dict(saved["opt"])
+    got += steps(resumed, resumed_opt, 2, 3)
+    assert len(got) == len(expected)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_graph_option_offloads_exactly_the_ops_its_plan_names(disk: DiskTier) -> None:
+    # tanh and sigmoid save their outputs; the matmuls' outputs are saved by nothing.
+    block = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 128), nn.Sigmoid())
+    inputs = ((torch.randn(64, 128, requires_grad=True),), {})
+    profile = profile_block(block, inputs, "Sequential#0", repeats=1)
+    choice = solve_block(profile, cap=0, offload_cost=1e-12)  # writing is all but free
+    assert choice is not None and choice.keep == frozenset()
+    names = sorted(profile.ops[i].key for i in choice.offload)
+    assert names == ["1|aten.tanh.default|0", "3|aten.sigmoid.default|0"], names
+    decisions = {
+        op.key: "disk" if i in choice.offload else "recompute" for i, op in enumerate(profile.ops)
+    }
+    planned = copy.deepcopy(block)
+    apply_option(planned, "b", "graph", decisions)
+    x = inputs[0][0].detach().clone().requires_grad_()
+    before = disk.stats
+    torch.manual_seed(0)
+    out = planned(x)
+    after = disk.stats
+    assert after.bytes_written - before.bytes_written == (64 * 256 + 64 * 128) * 4
+    assert after.files_written - before.files_written == 2
+    with FlopCounterMode(display=False) as counter:
+        out.sum().backward()
+    # Backward's four matmuls (input and weight gradients of both linears), no replayed one.
+    assert counter.get_total_flops() == 4 * (2 * 64 * 128 * 256)
+    expected_x = x.detach().clone().requires_grad_()
+    block(expected_x).sum().backward()
+    assert torch.equal(x.grad, expected_x.grad)  # type: ignore[arg-type]
+    for p, q in zip(planned.parameters(), block.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+    undo_option(planned)
+    assert not planned._forward_pre_hooks and not planned._forward_hooks
+    assert _files(disk) == []
+
+
+def test_disk_alone_never_recomputes(disk: DiskTier) -> None:
+    """``tiers=["disk"]``: the plan offloads or keeps, and backward runs no forward op again."""
+    model = _build()
+    profiled = profile_model(model, X, _loss, tiers=["disk"], repeats=0)
+    kinds = {(o.kind, o.tier) for opts in profiled.options.values() for o in opts}
+    assert kinds == {("plain", None), ("plain", "disk")}
+    plan = solve(profiled, _smallest(profiled.costs, profiled.chain))
+    assert {plan.option(b).name for b in plan.blocks} == {"offload-disk"}
+
+    def flops(m: nn.Module) -> int:
+        with FlopCounterMode(display=False) as counter:
+            torch.manual_seed(0)
+            _loss(m(X)).backward()  # type: ignore[no-untyped-call]
+        return int(counter.get_total_flops())
+
+    plain = _build()
+    applied = plan.apply(_build())
+    assert flops(applied) == flops(plain)
+    for p, q in zip(applied.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+
+
+def test_the_plan_records_the_tier_bandwidths_measured_while_blocks_computed(
+    disk: DiskTier,
+) -> None:
+    model = _build()
+    profiled = profile_model(model, X, _loss, tiers=["recompute", "disk"], repeats=1)
+    assert profiled.bandwidths["disk_write"] > 0 and profiled.bandwidths["disk_read"] > 0
+    plan = solve(profiled, "60%")
+    assert plan.bandwidths == profiled.bandwidths
+    assert remat.Plan.from_json(plan.to_json()).bandwidths == plan.bandwidths
+    assert "tiers recompute, disk" in plan.summary()
