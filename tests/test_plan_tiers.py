@@ -15,8 +15,16 @@ from torch.utils.flop_counter import FlopCounterMode
 import remat
 from remat import RematError
 from remat.bench.measure import peak_step_bytes
+from remat.planning._plan import Option
 from remat.planning.apply import apply_option, undo_option
-from remat.planning.planner import NoPlanFits, _smallest, profile_model, solve, solve_measured
+from remat.planning.planner import (
+    NoPlanFits,
+    _smallest,
+    profile_model,
+    solve,
+    solve_measured,
+    undominated,
+)
 from remat.planning.profile import profile_block
 from remat.planning.solve import solve_block
 from remat.store import DiskTier
@@ -214,3 +222,28 @@ def test_the_plan_records_the_tier_bandwidths_measured_while_blocks_computed(
     assert plan.bandwidths == profiled.bandwidths
     assert remat.Plan.from_json(plan.to_json()).bandwidths == plan.bandwidths
     assert "tiers recompute, disk" in plan.summary()
+
+
+def test_an_option_that_offloads_never_drops_one_that_does_not() -> None:
+    """A plan without the disk tier from a profile with it (``restricted(["recompute"])``, as
+    the bench plans both from one profile) still has every recompute option it would have
+    had: ``region-disk`` beating ``region`` on every count does not drop it; another recompute
+    option does."""
+    plain = Option("plain", "plain", kept=100, backward=50, seconds=0.0)
+    region = Option("region", "region", kept=10, backward=50, seconds=1.0)
+    on_disk = Option("region-disk", "region", kept=0, backward=50, seconds=0.5, tier="disk")
+    assert [o.name for o in undominated([plain, region, on_disk])] == [
+        "plain",
+        "region",
+        "region-disk",
+    ]
+    better = Option("graph-0", "graph", kept=5, backward=40, seconds=0.9)
+    assert [o.name for o in undominated([plain, region, on_disk, better])] == [
+        "plain",
+        "region-disk",
+        "graph-0",
+    ]
+    # The chain counts an offloading option's forward as its backward too.
+    slow = Option("offload-disk", "plain", kept=0, backward=10, seconds=0.5, tier="disk")
+    slow.forward = 100
+    assert "offload-disk" in [o.name for o in undominated([plain, region, slow, on_disk])]

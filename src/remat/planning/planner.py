@@ -417,23 +417,7 @@ def _options(
             else:
                 o.forward = max(o.forward, twins[o.kind].forward)
 
-    # Drop options another option beats on every count, time as the chain counts it (segments
-    # compete among themselves only: one covers more blocks).
-    def counts(o: Option) -> tuple[int, int, float, int]:
-        return (o.kept, o.backward, _chain_seconds(o), o.left)
-
-    kept_options = [
-        o
-        for o in options
-        if (o.kind == "plain" and o.tier is None)
-        or not any(
-            p is not o
-            and p.span == o.span
-            and all(x <= y for x, y in zip(counts(p), counts(o), strict=True))
-            and counts(p) != counts(o)
-            for p in options
-        )
-    ]
+    kept_options = undominated(options)
     if not recompute:
         return kept_options, solve_seconds
     per_block = profile.forward_seconds + RECORD_OVERHEAD * len(profile.ops)
@@ -447,6 +431,35 @@ def _options(
             o.ahead = _AHEAD * _bytes_of(inputs[0][:1])
             segments.append(o)
     return kept_options + segments, solve_seconds
+
+
+def undominated(options: list[Option]) -> list[Option]:
+    """``options`` without those another option beats on every count as the chain counts them,
+    using no tier the other does not (a plan restricted to fewer tiers keeps what it can use);
+    segments compete among themselves only (one covers more blocks). The plain block stays."""
+
+    def counts(o: Option) -> tuple[int, int, float, int]:
+        return (o.kept, _chain_backward(o), _chain_seconds(o), o.left)
+
+    return [
+        o
+        for o in options
+        if (o.kind == "plain" and o.tier is None)
+        or not any(
+            p is not o
+            and p.span == o.span
+            and _uses(p) <= _uses(o)
+            and all(x <= y for x, y in zip(counts(p), counts(o), strict=True))
+            and counts(p) != counts(o)
+            for p in options
+        )
+    ]
+
+
+def _chain_backward(o: Option) -> int:
+    """The backward peak the chain counts: for an option that offloads, at least its forward
+    peak, and the tensors read ahead for the blocks before it (see [ Offloaded options ])."""
+    return max(o.backward + o.ahead, o.forward) if o.offloads else o.backward
 
 
 def _chain_seconds(o: Option) -> float:
@@ -486,9 +499,7 @@ def _chain(
             [
                 ChainOption(
                     kept=max(sum(plain.kept[i : i + o.span]) + o.kept - o.span * base[t].kept, 0),
-                    # In forward, an offloading block may hold what it writes until the block
-                    # ends (see [ Offloaded options ]).
-                    backward=max(o.backward + o.ahead, o.forward) if o.offloads else o.backward,
+                    backward=_chain_backward(o),
                     seconds=_chain_seconds(o),
                     # What it holds after its own backward until the whole backward ends, beyond
                     # plain: a graph-engine region's records, and a region's saved input
