@@ -10,7 +10,8 @@ Points in time are marked by allocating and freeing a byte tensor of a size no r
 
 1. One block alone, per option: ``kept`` is the memory live after its forward (its output
    and what it holds for backward), ``backward`` the peak during its backward (with the
-   output's gradient), both above the level before its forward.
+   output's gradient), ``forward`` the peak during its forward, each above the level before
+   its forward.
 2. The whole plain step, with markers at each block's forward start and end and at the
    start of each block's backward: the plain step's peak, each block's kept bytes in the chain,
    the peak of each block's backward, the peak before the last block's backward starts

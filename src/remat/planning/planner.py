@@ -320,6 +320,92 @@ def _tier_stats(tier: str) -> tuple[int, float, int, float]:
     )
 
 
+def _tier_options(
+    block: nn.Module,
+    plain: nn.Module,
+    inputs: Any,
+    profile: BlockProfile,
+    device: torch.device,
+    points: int,
+    repeats: int,
+    tier: str,
+    recompute: bool,
+    bandwidths: dict[str, float] | None,
+) -> tuple[list[Option], float, float]:
+    """The options of one block type that use ``tier`` (see [ Offloaded options ]), the cost
+    per byte moved that the first of them measured, and the solve time."""
+    # Everything the block saves in the tier first: what a byte there costs while the block
+    # computes, for the MILP (see [ The block MILP ]).
+    moved = _offloaded_bytes(profile)
+    before = _tier_stats(tier)
+    everything = _measure(
+        _Candidate(f"offload-{tier}", "plain", OFFLOAD_SECONDS_PER_BYTE * moved, tier=tier),
+        block,
+        plain,
+        inputs,
+        device,
+        repeats,
+    )
+    after = _tier_stats(tier)
+    written, write_wall = after[0] - before[0], after[1] - before[1]
+    read, read_wall = after[2] - before[2], after[3] - before[3]
+    if bandwidths is not None and write_wall > 0 and read_wall > 0:
+        bandwidths[f"{tier}_write"] = written / write_wall
+        bandwidths[f"{tier}_read"] = read / read_wall
+    cost = OFFLOAD_SECONDS_PER_BYTE
+    if everything.measured_seconds is not None and moved > 0:
+        cost = max(everything.measured_seconds / moved, 1e-12)
+    if not recompute:
+        return [everything], cost, 0.0
+    candidates = [
+        _Candidate(
+            f"region-{tier}",
+            "region",
+            profile.forward_seconds + cost * _bytes_of(inputs[0][:1]),
+            tier=tier,
+        )
+    ]
+    start = time.perf_counter()
+    front = [c for c in pareto(profile, points=points, offload_cost=cost) if c.offload]
+    solve_seconds = time.perf_counter() - start
+    for k, choice in enumerate(front):
+        decisions, tensors = _decisions(profile, choice, tier, cost)
+        seconds = choice.seconds + RECORD_OVERHEAD * len(profile.ops)
+        candidates.append(
+            _Candidate(f"graph-{k}-{tier}", "graph", seconds, decisions, tensors, choice.gap)
+        )
+    found = [everything, *(_measure(c, block, plain, inputs, device, repeats) for c in candidates)]
+    return found, cost, solve_seconds
+
+
+def _bound(
+    options: list[Option],
+    block: nn.Module,
+    inputs: Any,
+    profile: BlockProfile,
+    device: torch.device,
+) -> None:
+    """For each option that offloads, the worst case the chain counts (see [ Offloaded
+    options ]): its forward peak at least its twin's that keeps instead, and the storages read
+    ahead for the blocks before it during its backward."""
+    twins = {o.name: o for o in options}
+    sizes = sorted((op.bytes for op in profile.ops if op.saved and not op.view), reverse=True)
+    for o in options:
+        if not o.offloads:
+            continue
+        if o.kind == "graph":
+            moved = [op.bytes for op in profile.ops if o.decisions.get(op.key) in _TIERS]
+            o.ahead = sum(sorted(moved, reverse=True)[:_AHEAD])
+            kept = {k: "keep" if d in _TIERS[1:] else d for k, d in o.decisions.items()}
+            twin = copy.deepcopy(block)
+            apply_option(twin, o.name, "graph", kept)
+            o.forward = max(o.forward, measure_memory(twin, inputs, device).forward)
+        else:  # the whole block (plain) or its input (region) in the tier
+            back = sizes if o.kind == "plain" else [_bytes_of(inputs[0][:1])] * _AHEAD
+            o.ahead = sum(back[:_AHEAD])
+            o.forward = max(o.forward, twins[o.kind].forward)
+
+
 def _options(
     block: nn.Module,
     inputs: Any,
@@ -336,7 +422,6 @@ def _options(
     ``bandwidths``."""
     recompute = "recompute" in tiers
     plain = copy.deepcopy(block)
-    options: list[Option] = []
     solve_seconds = 0.0
     candidates = [_Candidate("plain", "plain", 0.0)]
     if recompute:
@@ -354,69 +439,12 @@ def _options(
     options = [_measure(c, block, plain, inputs, device, repeats) for c in candidates]
     per_byte: dict[str, float] = {}
     for tier in _offload_tiers(tiers):
-        # Everything the block saves in the tier first: what a byte there costs while the
-        # block computes, for the MILP (see [ The block MILP ]).
-        moved = _offloaded_bytes(profile)
-        before = _tier_stats(tier)
-        everything = _measure(
-            _Candidate(f"offload-{tier}", "plain", OFFLOAD_SECONDS_PER_BYTE * moved, tier=tier),
-            block,
-            plain,
-            inputs,
-            device,
-            repeats,
+        found, per_byte[tier], seconds = _tier_options(
+            block, plain, inputs, profile, device, points, repeats, tier, recompute, bandwidths
         )
-        after = _tier_stats(tier)
-        options.append(everything)
-        written, write_wall = after[0] - before[0], after[1] - before[1]
-        read, read_wall = after[2] - before[2], after[3] - before[3]
-        if bandwidths is not None and write_wall > 0 and read_wall > 0:
-            bandwidths[f"{tier}_write"] = written / write_wall
-            bandwidths[f"{tier}_read"] = read / read_wall
-        cost = OFFLOAD_SECONDS_PER_BYTE
-        if everything.measured_seconds is not None and moved > 0:
-            cost = max(everything.measured_seconds / moved, 1e-12)
-        per_byte[tier] = cost
-        if not recompute:
-            continue
-        tiered = [
-            _Candidate(
-                f"region-{tier}",
-                "region",
-                profile.forward_seconds + cost * _bytes_of(inputs[0][:1]),
-                tier=tier,
-            )
-        ]
-        start = time.perf_counter()
-        front = [c for c in pareto(profile, points=points, offload_cost=cost) if c.offload]
-        solve_seconds += time.perf_counter() - start
-        for k, choice in enumerate(front):
-            decisions, tensors = _decisions(profile, choice, tier, cost)
-            seconds = choice.seconds + RECORD_OVERHEAD * len(profile.ops)
-            tiered.append(
-                _Candidate(f"graph-{k}-{tier}", "graph", seconds, decisions, tensors, choice.gap)
-            )
-        options += [_measure(c, block, plain, inputs, device, repeats) for c in tiered]
-    twins = {o.name: o for o in options}
-    sizes = sorted((op.bytes for op in profile.ops if op.saved and not op.view), reverse=True)
-    for o in options:
-        if o.offloads:  # see [ Offloaded options ]
-            if o.kind == "graph":
-                back = sorted(
-                    (op.bytes for op in profile.ops if o.decisions.get(op.key) in _TIERS),
-                    reverse=True,
-                )
-            else:
-                back = sizes if o.kind == "plain" else [_bytes_of(inputs[0][:1])] * _AHEAD
-            o.ahead = sum(back[:_AHEAD])
-            if o.kind == "graph":
-                kept = {k: "keep" if d in _TIERS[1:] else d for k, d in o.decisions.items()}
-                twin = copy.deepcopy(block)
-                apply_option(twin, o.name, "graph", kept)
-                o.forward = max(o.forward, measure_memory(twin, inputs, device).forward)
-            else:
-                o.forward = max(o.forward, twins[o.kind].forward)
-
+        options += found
+        solve_seconds += seconds
+    _bound(options, block, inputs, profile, device)
     kept_options = undominated(options)
     if not recompute:
         return kept_options, solve_seconds
