@@ -101,7 +101,10 @@ def test_the_disk_tier_plans_below_what_recompute_alone_reaches(disk: DiskTier) 
 
     step()  # a warm-up step, as the planner's
     measured = peak_step_bytes(step, torch.device("cpu"))
-    assert abs(measured - plan.predicted_peak) <= 0.03 * plan.predicted_peak
+    # The prediction counts an offloading block's writes as all pending at once (see
+    # [ Offloaded options ]): the measured peak is at most that, and below by what the disk
+    # wrote in time (a block's activations here).
+    assert 0.85 * plan.predicted_peak <= measured <= 1.03 * plan.predicted_peak
     assert measured <= budget
     assert disk.stats.bytes_written > 0 and _files(disk) == []
 

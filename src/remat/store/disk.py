@@ -63,12 +63,17 @@ NOTE [ Memory the allocator sees ]
 
 Every byte the tier holds in RAM is allocated and freed in the caller's thread, never on a
 worker: a written tensor is let go by the caller's next call of the tier, and a read goes into
-a tensor the caller allocated. The caller's thread is where the step runs (on the CPU,
-autograd's backward too), so its memory, as ``torch.profiler``'s allocator events and the
-malloc arena of that thread see it, includes what the tier holds, and is what the planner
-measures and the budget bounds. A worker freeing the tensor it wrote, or a file mapped into
-memory for a read, would be invisible there: the first made the step look larger than it is,
-the second smaller."""
+a tensor the caller allocated, which the worker reaches through the ticket and lets go of
+before its read is reported done (a tensor passed to the worker as an argument, or returned
+through its future, would be held by the pool's work item until the worker got round to
+dropping it, and freed there whenever the caller was done with it first). A tensor dropped
+while a worker still reads into it is the exception: the worker frees it. The caller's thread
+is where the step runs (on the CPU, autograd's backward too), so its memory, as
+``torch.profiler``'s allocator events and the malloc arena of that thread see it, includes what
+the tier holds, and is what the planner measures and the budget bounds. A worker freeing the
+tensor it wrote, or a file mapped into memory for a read, would be invisible there: the first
+made the step look larger than it is, the second smaller.
+"""
 
 from __future__ import annotations
 
@@ -125,7 +130,7 @@ class DiskStats:
 class _DiskTicket:
     """One stored storage: its file, and the I/O still pending on it."""
 
-    __slots__ = ("data", "dropped", "error", "io", "load", "nbytes", "path", "writing")
+    __slots__ = ("buffer", "data", "dropped", "error", "io", "load", "nbytes", "path", "writing")
 
     def __init__(self, data: torch.Tensor, path: pathlib.Path) -> None:
         self.data: torch.Tensor | None = data  # until written: see [2. written]
@@ -135,7 +140,9 @@ class _DiskTicket:
         self.io = 1  # pending write and reads; the last one out removes a dropped file
         self.dropped = False
         self.error: RematError | None = None
-        self.load: concurrent.futures.Future[torch.Tensor | None] | None = None
+        # A prefetch: its read, and the tensor it reads into (see [ Memory the allocator sees ]).
+        self.load: concurrent.futures.Future[bool] | None = None
+        self.buffer: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"<disk ticket {self.path.name}: {self.nbytes} bytes>"
@@ -245,7 +252,7 @@ class _Shared:
             self.closed = True
             for ticket in self.tickets:
                 ticket.data = None  # a queued write sees it and skips
-                ticket.load = None
+                ticket.load = ticket.buffer = None
             self.tickets.clear()
             self.written.clear()
             self.errors.clear()
@@ -362,9 +369,10 @@ class DiskTier:
             if shared.closed or ticket.dropped or ticket.load is not None:
                 return  # closed, dropped or prefetched by another thread meanwhile
             try:
-                ticket.load = shared.executor.submit(_load, shared, ticket, buffer)
+                ticket.load = shared.executor.submit(_load, shared, ticket)
             except RuntimeError:  # interpreter shutdown: get() will read in its own thread
                 return
+            ticket.buffer = buffer
             ticket.io += 1
 
     def get(self, ticket: Ticket, device: torch.device) -> torch.Tensor:
@@ -382,7 +390,8 @@ class DiskTier:
                 raise self._ticket_error_locked(ticket)
             shared.raise_errors_locked()
             load, ticket.load = ticket.load, None
-        out = None if load is None else _result(load, ticket)
+            buffer, ticket.buffer = ticket.buffer, None
+        out = buffer if load is not None and _result(load, ticket) else None
         if out is None:
             out = self._read_now(ticket, device)
         return out if out.device == device else out.to(device)
@@ -396,7 +405,7 @@ class DiskTier:
                 return
             shared.tickets.discard(ticket)
             ticket.dropped = True
-            ticket.load = None
+            ticket.load = ticket.buffer = None
             remove = ticket.io == 0
         if remove:
             _files.unlink_quietly(ticket.path)
@@ -493,9 +502,7 @@ def _empty(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
-def _result(
-    load: concurrent.futures.Future[torch.Tensor | None], ticket: _DiskTicket
-) -> torch.Tensor | None:
+def _result(load: concurrent.futures.Future[bool], ticket: _DiskTicket) -> bool:
     try:
         return load.result()
     except OSError as exc:
@@ -544,22 +551,28 @@ def _write(shared: _Shared, ticket: _DiskTicket) -> None:
                 shared.cond.notify_all()
 
 
-def _load(shared: _Shared, ticket: _DiskTicket, buffer: torch.Tensor) -> torch.Tensor | None:
-    """Worker: read one ticket into *buffer* for a prefetch; ``None`` if nothing to read."""
-    out: torch.Tensor | None = None
+def _load(shared: _Shared, ticket: _DiskTicket) -> bool:
+    """Worker: read one ticket into the tensor its prefetch allocated (``ticket.buffer``);
+    whether it did. The tensor stays the ticket's, handed to the caller by ``get``: the worker
+    lets go of it before its read is reported done, so that the caller's is the last reference
+    (see [ Memory the allocator sees ])."""
     try:
         with shared.cond:
             # The write was queued before us, so it runs or ran: see [3. prefetch].
             shared.cond.wait_for(lambda: not ticket.writing or shared.closed)
-            if ticket.dropped or ticket.error is not None or shared.closed:
-                return None
+            buffer = ticket.buffer
+            if buffer is None or ticket.dropped or ticket.error is not None or shared.closed:
+                return False
             start = shared.begin_locked("read")
+        done = False
         try:
-            out = _files.read_file(ticket.path, buffer)
+            _files.read_file(ticket.path, buffer)
+            done = True
         finally:
+            del buffer
             with shared.cond:
-                shared.end_locked("read", start, None if out is None else ticket.nbytes)
-        return out
+                shared.end_locked("read", start, ticket.nbytes if done else None)
+        return done
     finally:
         with shared.cond:
             remove = shared.finish_io_locked(ticket)
