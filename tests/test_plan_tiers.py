@@ -225,6 +225,7 @@ def test_the_plan_records_the_tier_bandwidths_measured_while_blocks_computed(
     assert plan.bandwidths == profiled.bandwidths
     assert remat.Plan.from_json(plan.to_json()).bandwidths == plan.bandwidths
     assert "tiers recompute, disk" in plan.summary()
+    assert f"writes {plan.bandwidths['disk_write'] / 1e9:.2f} GB/s" in plan.summary()
 
 
 def test_an_option_that_offloads_never_drops_one_that_does_not() -> None:

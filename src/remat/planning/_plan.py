@@ -134,6 +134,13 @@ class Plan:
             f"solve {self.solver.get('solve_seconds', 0.0):.2f} s, profile "
             f"{self.measured.get('profile_seconds', 0.0):.1f} s; tiers {', '.join(self.tiers)}",
         ]
+        for tier in dict.fromkeys(k.rsplit("_", 1)[0] for k in self.bandwidths):
+            write, read = self.bandwidths.get(f"{tier}_write"), self.bandwidths.get(f"{tier}_read")
+            if write and read:
+                lines.append(
+                    f"  {tier} tier while a block computed: writes {write / 1e9:.2f} GB/s, "
+                    f"reads {read / 1e9:.2f} GB/s"
+                )
         verified = self.measured.get("verified_peak")
         if verified is not None:
             lines.append(
