@@ -54,6 +54,56 @@ def train(
     return record
 
 
+def assert_save_and_resume_exact(
+    model: nn.Module,
+    plain: nn.Module,
+    resume: Callable[[], nn.Module],
+    loss_of: Callable[[nn.Module], torch.Tensor],
+    directory: Any,
+    after_backward: Callable[[], None] | None = None,
+) -> None:
+    """The loop users write, on ``model`` (set up by a plan): their own AdamW,
+    ``clip_grad_norm_``, ``zero_grad(set_to_none=True)``; after two steps a save of the model
+    and the optimizer in ``directory``, ``resume()`` (a fresh model with the plan loaded and
+    applied) loading them, and a third step: losses, gradient norms, parameters and buffers
+    bit-equal to three steps of ``plain``. ``loss_of(m)`` runs one forward; ``after_backward``
+    runs after each backward."""
+
+    def steps(m: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> list[Any]:
+        out: list[Any] = []
+        for step in range(first, last):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            loss = loss_of(m)
+            loss.backward()  # type: ignore[no-untyped-call]
+            if after_backward is not None:
+                after_backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.5)
+            opt.step()
+            out += [loss.detach(), norm, *[p.detach().clone() for p in m.parameters()]]
+            out += [b.clone() for b in m.buffers()]
+        return out
+
+    def adamw(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+    expected = steps(plain, adamw(plain), 0, 3)
+    opt = adamw(model)
+    got = steps(model, opt, 0, 2)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, directory / "ckpt.pt")
+    assert list(model.state_dict()) == list(plain.state_dict())  # a plan renames nothing
+
+    resumed = resume()
+    saved = torch.load(directory / "ckpt.pt")
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = adamw(resumed)
+    resumed_opt.load_state_dict(saved["opt"])
+    got += steps(resumed, resumed_opt, 2, 3)
+    assert len(got) == len(expected)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+
+
 def assert_records_equal(plain: StepRecord, other: StepRecord) -> None:
     """Bit-for-bit equality of everything two runs recorded."""
     assert len(plain.losses) == len(other.losses)

@@ -15,7 +15,7 @@ from remat.bench.measure import peak_step_bytes
 from remat.planning._budget import parse_budget
 from remat.workloads.gpt import GPT, GPTConfig, _lm_loss
 
-from helpers import assert_records_equal, train
+from helpers import assert_records_equal, assert_save_and_resume_exact, train
 
 
 def _gpt() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -379,38 +379,11 @@ def test_a_planned_model_in_a_users_loop_with_save_and_resume(tmp_path: Any) -> 
     assert any(b["option"] != "plain" for b in plan.blocks)
     plan.save(tmp_path / "plan.json")
 
-    def steps(m: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> list[Any]:
-        out: list[Any] = []
-        for step in range(first, last):
-            opt.zero_grad(set_to_none=True)
-            torch.manual_seed(step)
-            loss = _lm_loss(m(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]
-            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.5)
-            opt.step()
-            out += [loss.detach(), norm, *[p.detach().clone() for p in m.parameters()]]
-        return out
+    def resume() -> nn.Module:
+        resumed, _, _ = _gpt()
+        return remat.Plan.load(tmp_path / "plan.json").apply(resumed)
 
-    def adamw(m: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-
-    plain_opt = adamw(plain)
-    expected = steps(plain, plain_opt, 0, 3)
-    opt = adamw(model)
-    got = steps(model, opt, 0, 2)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
-    assert list(model.state_dict()) == list(plain.state_dict())  # the plan renames nothing
-
-    resumed, _, _ = _gpt()
-    remat.Plan.load(tmp_path / "plan.json").apply(resumed)
-    saved = torch.load(tmp_path / "ckpt.pt")
-    resumed.load_state_dict(saved["model"])
-    resumed_opt = adamw(resumed)
-    resumed_opt.load_state_dict(saved["opt"])
-    got += steps(resumed, resumed_opt, 2, 3)
-    assert len(got) == len(expected)
-    for a, b in zip(expected, got, strict=True):
-        assert torch.equal(a, b)
+    assert_save_and_resume_exact(model, plain, resume, lambda m: _lm_loss(m(x), y), tmp_path)
 
 
 def test_the_measured_check_leaves_the_report_to_the_users_apply() -> None:

@@ -16,7 +16,7 @@ from remat import _state
 from remat.bench.measure import peak_step_bytes
 from remat.planning.apply import apply_segment, undo_segment
 
-from helpers import assert_records_equal, counting_ops, train
+from helpers import assert_records_equal, assert_save_and_resume_exact, counting_ops, train
 
 
 class _Block(nn.Module):
@@ -245,34 +245,10 @@ def test_a_plan_with_segments_in_a_users_loop_with_save_and_resume(tmp_path: Any
     assert any("segment" in b for b in plan.blocks), plan.summary()
     plan.apply(model)
     plan.save(tmp_path / "plan.json")
-
-    def steps(m: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> list[Any]:
-        out: list[Any] = []
-        for step in range(first, last):
-            opt.zero_grad(set_to_none=True)
-            torch.manual_seed(step)
-            loss = _loss(m(x), target)
-            loss.backward()  # type: ignore[no-untyped-call]
-            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.5)
-            opt.step()
-            out += [loss.detach(), norm, *[p.detach().clone() for p in m.parameters()]]
-        return out
-
-    def adamw(m: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-
-    expected = steps(plain, adamw(plain), 0, 3)
-    opt = adamw(model)
-    got = steps(model, opt, 0, 2)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
-    assert list(model.state_dict()) == list(plain.state_dict())  # segments rename nothing
-
-    resumed = remat.Plan.load(tmp_path / "plan.json").apply(build())
-    saved = torch.load(tmp_path / "ckpt.pt")
-    resumed.load_state_dict(saved["model"])
-    resumed_opt = adamw(resumed)
-    resumed_opt.load_state_dict(saved["opt"])
-    got += steps(resumed, resumed_opt, 2, 3)
-    assert len(got) == len(expected)
-    for a, b in zip(expected, got, strict=True):
-        assert torch.equal(a, b)
+    assert_save_and_resume_exact(
+        model,
+        plain,
+        lambda: remat.Plan.load(tmp_path / "plan.json").apply(build()),
+        lambda m: _loss(m(x), target),
+        tmp_path,
+    )

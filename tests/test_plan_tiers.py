@@ -30,6 +30,8 @@ from remat.planning.solve import solve_block
 from remat.store import DiskTier
 from remat.workloads.mlp import MLPBlock
 
+from helpers import assert_save_and_resume_exact
+
 
 class _Net(nn.Module):
     """Blocks with dropout, then a BatchNorm head: buffers must update exactly once a step."""
@@ -119,43 +121,18 @@ def test_a_disk_plan_in_a_users_loop_with_save_and_resume(disk: DiskTier, tmp_pa
     assert any(plan.option(b).tier == "disk" for b in plan.blocks), plan.summary()
     plan.apply(model)
     plan.save(tmp_path / "plan.json")
-
-    def steps(m: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> list[Any]:
-        out: list[Any] = []
-        for step in range(first, last):
-            opt.zero_grad(set_to_none=True)
-            torch.manual_seed(step)
-            loss = _loss(m(X))
-            loss.backward()  # type: ignore[no-untyped-call]
-            assert _files(disk) == []
-            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.5)
-            opt.step()
-            out += [loss.detach(), norm, *[p.detach().clone() for p in m.parameters()]]
-            out += [b.clone() for b in m.buffers()]
-        return out
-
-    def adamw(m: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-
-    expected = steps(plain, adamw(plain), 0, 3)
     written = disk.stats.bytes_written
-    opt = adamw(model)
-    got = steps(model, opt, 0, 2)
-    assert disk.stats.bytes_written > written
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
-    assert list(model.state_dict()) == list(plain.state_dict())
 
-    loaded = remat.Plan.load(tmp_path / "plan.json")
-    assert loaded.to_json() == plan.to_json()
-    resumed = loaded.apply(_build())
-    saved = torch.load(tmp_path / "ckpt.pt")
-    resumed.load_state_dict(saved["model"])
-    resumed_opt = adamw(resumed)
-    resumed_opt.load_state_dict(saved["opt"])
-    got += steps(resumed, resumed_opt, 2, 3)
-    assert len(got) == len(expected)
-    for a, b in zip(expected, got, strict=True):
-        assert torch.equal(a, b)
+    def resume() -> nn.Module:
+        loaded = remat.Plan.load(tmp_path / "plan.json")
+        assert loaded.to_json() == plan.to_json()
+        return loaded.apply(_build())
+
+    def no_files() -> None:
+        assert _files(disk) == []
+
+    assert_save_and_resume_exact(model, plain, resume, lambda m: _loss(m(X)), tmp_path, no_files)
+    assert disk.stats.bytes_written > written
 
 
 def test_a_graph_option_offloads_exactly_the_ops_its_plan_names(disk: DiskTier) -> None:
