@@ -226,6 +226,9 @@ def test_offload_measurement_runs_and_reports() -> None:
     assert rss["rss_peak_bytes"] >= rss["rss_before_bytes"] > 0
     text = offload.report({"size": "small", "rss": {"none": rss}, "io": io})
     assert "disk tier, gpt-small" in text and "ratio" in text
+    # A step that does not raise the resident set (the heap holds its pages) reports no ratio.
+    flat = {"rss_before_bytes": 2**20, "rss_peak_bytes": 2**20}
+    assert "        -" in offload.report({"size": "small", "rss": {"none": flat}, "io": io})
 
 
 def test_budgets_take_fractions_and_the_word_torch() -> None:

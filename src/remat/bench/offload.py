@@ -232,9 +232,11 @@ def report(result: dict[str, Any]) -> str:
     )
     for name, r in rss.items():
         rise = r["rss_peak_bytes"] - r["rss_before_bytes"]
+        # A small step may not raise the resident set at all (the heap holds its pages).
+        versus = f"{rise / none_rise:8.2f}" if none_rise > 0 else f"{'-':>8}"
         lines.append(
             f"  {name:18} {_mib(r['rss_peak_bytes']):>12} {r['rss_peak_bytes'] / none_peak:8.2f}"
-            f" {_mib(rise):>14} {rise / none_rise:8.2f}"
+            f" {_mib(rise):>14} {versus}"
         )
     io = result["io"]
     lines.append(
