@@ -178,7 +178,7 @@ class Plan:
                     f"{o.measured_seconds * 1e3:8.2f} ms" if o.measured_seconds is not None else "-"
                 )
                 lines.append(
-                    f"    {o.name:<10} {fmt_bytes(o.kept):>12} {fmt_bytes(o.backward):>12} "
+                    f"    {o.name:<16} {fmt_bytes(o.kept):>12} {fmt_bytes(o.backward):>12} "
                     f"{o.seconds * 1e3:8.2f} ms {measured}{what}"
                 )
         return "\n".join(lines)
