@@ -328,3 +328,14 @@ def test_dominance_lines_follow_the_rows() -> None:
         "0.920 (control +-0.030): dominates",
     ]
     assert result.to_json()["dominance"][1]["verdict"] == "dominates"
+
+
+def test_solve_time_measurement_runs_and_reports() -> None:
+    from remat.bench import solve_time
+
+    result = solve_time.measure(layers=4, budget="60%")
+    assert result["verified_peak_bytes"] <= 0.6 * result["plain_peak_bytes"]
+    assert 0 < result["solve_seconds"] < result["seconds"]
+    assert 0 < result["profile_seconds"] < result["seconds"]
+    text = solve_time.report(result)
+    assert "remat.plan on a 4-layer GPT" in text and "solve" in text

@@ -171,6 +171,7 @@ BAD: list[tuple[list[str], str]] = [
     (["--strategies", "offload-host"], "offload-host moves tensors from an accelerator"),
     (["--offload", "--workload", "mlp"], "--offload: measures the gpt workload"),
     (["--offload", "--rounds", "0"], "--offload: --rounds must be at least 1"),
+    (["--solve-time", "--workload", "mlp"], "--solve-time: plans a 48-layer gpt at 25%"),
     (["--pipeline", "--processes", "2"], "--pipeline and --offload measure in one process"),
     (["--budgets", "0.5,tourch"], "--budgets takes fractions in (0, 1] of the plain step's"),
     (["--disk-budgets", "0.1,2"], "--disk-budgets takes fractions in (0, 1] of the plain step"),

@@ -96,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
         "with its saved tensors on disk, and OffloadModel on disk (use with --size bench)",
     )
     bench.add_argument(
+        "--solve-time",
+        action="store_true",
+        help="the planner's time instead: one remat.plan call at 25%% on a 48-layer GPT of the "
+        "medium family (one block type), with its profile and solve seconds",
+    )
+    bench.add_argument(
         "--pipeline",
         action="store_true",
         help="pipelines instead: memory per stage and step time of the unet workload in "
@@ -133,6 +139,8 @@ def _bench(args: argparse.Namespace) -> int:
         return _pipeline(args)
     if args.offload:
         return _offload(args)
+    if args.solve_time:
+        return _solve_time(args)
     if args.list:
         for entry in STRATEGIES.values():
             print(f"{entry.name:16} {entry.description}")
@@ -564,6 +572,24 @@ def _subprocess(request: dict[str, Any]) -> dict[str, Any]:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _solve_time(args: argparse.Namespace) -> int:
+    from .bench import report, solve_time
+
+    if args.workload != "gpt" or args.hf is not None or args.strategies or args.budgets:
+        raise RematError(
+            "remat bench --solve-time: plans a 48-layer gpt at 25% and takes no workload, "
+            "strategies or budgets; drop --workload/--hf/--strategies/--budgets."
+        )
+    json_path = args.json or Path("bench-out") / "solve-time-gpt.json"
+    report.check_writable(json_path)
+    result = solve_time.measure(seed=args.seed)
+    print(solve_time.report(result))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {json_path}")
+    return 0
 
 
 def _offload(args: argparse.Namespace) -> int:
