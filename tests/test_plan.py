@@ -401,3 +401,11 @@ def test_the_measured_check_leaves_the_report_to_the_users_apply() -> None:
     plan.apply(model)
     model(x).sum().backward()
     assert all(p.followed > 0 and p.unfollowed == 0 for p in plan.policies)
+
+
+def test_a_model_off_the_cpu_is_refused_before_any_work() -> None:
+    """Each option's memory comes from the CPU allocator's events, which see nothing of a model
+    elsewhere: a clear error, not a failure deep in the measurement."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to("meta")
+    with pytest.raises(remat.RematError, match="expected a model on the CPU, found one on meta"):
+        remat.plan(model, torch.randn(2, 4, device="meta"), "50%")

@@ -646,6 +646,14 @@ def profile_model(
         raise RematError(f"remat.plan: expected an nn.Module, got {type(model).__name__}.")
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
+    if device.type != "cpu":
+        # Each option's memory is read from the CPU allocator's events (``cost.timeline``).
+        raise RematError(
+            f"remat.plan: expected a model on the CPU, found one on {device}: the planner "
+            "measures each option's memory with the CPU allocator's events, and does not measure "
+            "an accelerator's yet. Plan a CPU copy of the model, or choose by hand there "
+            "(remat.apply, remat.policies)."
+        )
     chosen_tiers = _tiers(tiers, device)
     paths = find_blocks(model, blocks)
     started = time.perf_counter()
@@ -869,7 +877,7 @@ def plan(
         tiers: what the plan may use: ``"recompute"`` (the default, alone), ``"disk"`` (files
             in a private directory, see :class:`~remat.store.DiskTier`; the tier named
             ``"disk"`` when the plan runs, see :func:`remat.store.tiers`), ``"host"`` (pinned
-            host memory, for a model on an accelerator).
+            host memory, for a model on an accelerator, which the planner does not measure yet).
         points: caps swept per block type for the per-op options.
         repeats: timing repeats (medians) per measured option.
 
