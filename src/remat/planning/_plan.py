@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import RematError
 from ._budget import fmt_bytes
-from .apply import PlanPolicy, apply_option, apply_segment
+from .apply import OFFLOADS, PlanPolicy, apply_option, apply_segment
 
 __all__ = ["Plan"]
 
@@ -59,7 +59,7 @@ class Option:
     @property
     def offloads(self) -> bool:
         """Whether the option sends anything to a tier."""
-        return self.tier is not None or any(d in ("disk", "host") for d in self.decisions.values())
+        return self.tier is not None or any(d in OFFLOADS for d in self.decisions.values())
 
 
 @dataclass
@@ -167,7 +167,7 @@ class Plan:
             for o in options:
                 recomputed = sum(1 for d in o.decisions.values() if d == "recompute")
                 what = f", {recomputed} ops recomputed" if o.kind == "graph" else ""
-                offloaded = sum(1 for d in o.decisions.values() if d in ("disk", "host"))
+                offloaded = sum(1 for d in o.decisions.values() if d in OFFLOADS)
                 if offloaded:
                     what += f", {offloaded} offloaded"
                 if o.tier is not None:

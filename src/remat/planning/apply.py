@@ -45,9 +45,13 @@ from torch import nn
 from .. import _state
 from ..modules import checkpoint_wrapper, is_wrapped
 from ..policies import Decision, OpContext, recompute_everything
+from ..store import offload
+from ..store.scope import _NAMES
 from .profile import KeyCounter
 
 __all__ = ["PlanPolicy", "Segment"]
+
+OFFLOADS: tuple[str, ...] = _NAMES  # the tiers a decision or an option may name
 
 
 @dataclass
@@ -113,8 +117,6 @@ class Offloaded:
         self.open: list[contextlib.ExitStack] = []
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        from ..store import offload
-
         stack = contextlib.ExitStack()
         stack.enter_context(offload(self.tier))  # type: ignore[arg-type]
         self.open.append(stack)
@@ -196,8 +198,6 @@ class Segment:
         tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         stack = contextlib.ExitStack()
         if self.tier is not None:
-            from ..store import offload
-
             stack.enter_context(offload(self.tier))  # type: ignore[arg-type]
         stack.enter_context(recording(recompute_everything, tensors))
         self._open, self._error = stack, sys.exc_info()[1]

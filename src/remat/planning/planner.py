@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 from ..errors import RematError
 from ._budget import fmt_bytes, parse_budget
 from ._plan import Option, Plan, fingerprint, segments
-from .apply import apply_option, apply_segment, undo_option, undo_segment
+from .apply import OFFLOADS, apply_option, apply_segment, undo_option, undo_segment
 from .cost import PlainStep, measure_memory, measure_plain_step, measure_seconds, peak_bytes
 from .profile import BlockProfile, capture, find_blocks, first_tensor, fresh_inputs, profile_block
 from .solve import (
@@ -64,7 +64,7 @@ from .solve import (
 
 __all__ = ["fit", "plan"]
 
-_TIERS = ("recompute", "host", "disk")
+_TIERS = ("recompute", *OFFLOADS)
 MAX_SEGMENT = 12  # the most blocks one segment covers
 # What an offloaded byte is taken to cost (written and read back) where nothing was timed
 # (``repeats=0``): 0.5 GB/s, a disk tier's bandwidth while a 2-core CPU computes.
@@ -127,12 +127,10 @@ def _offload_tiers(tiers: Sequence[str]) -> list[str]:
     return [t for t in tiers if t != "recompute"]
 
 
-def _bytes_of(tree: Any) -> int:
-    return sum(
-        t.untyped_storage().nbytes()
-        for t in pytree.tree_leaves(tree)
-        if isinstance(t, torch.Tensor)
-    )
+def _input_bytes(inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> int:
+    """The bytes of a block's first argument: what a region or a segment keeps, or offloads."""
+    first = inputs[0][:1]
+    return sum(t.untyped_storage().nbytes() for t in first if isinstance(t, torch.Tensor))
 
 
 def _decisions(
@@ -199,8 +197,7 @@ def _segments(
     longest: int,
     repeats: int,
     per_block: float,
-    tier: str | None = None,
-    per_byte: float = 0.0,
+    tiers: dict[str | None, float],
 ) -> list[Option]:
     """Segment options of 2 to ``longest`` blocks (see [ Segments ] in ``solve.py``): those of
     two and three blocks measured on chains of copies of ``block`` against plain chains of the
@@ -209,51 +206,53 @@ def _segments(
     difference of two timings would carry their noise, times the blocks added). Kept and left
     bytes are written as the plain blocks' plus the segment's difference from a plain chain.
     ``per_block`` is the op model's extra seconds per block (a forward replayed and recorded),
-    the prediction when nothing is timed (``repeats=0``). With a ``tier``, the segment's input
-    waits there (``per_byte`` seconds per byte)."""
+    the prediction when nothing is timed (``repeats=0``). ``tiers`` maps each tier the
+    segment's input may wait in (``None``: none) to its seconds per byte."""
     if longest < 2 or not _chains(block, inputs):
         return []
     single = measure_memory(copy.deepcopy(block), inputs, device)
-    found: dict[int, tuple[float, float, float, float, float]] = {}
+    found: dict[tuple[str | None, int], tuple[float, float, float, float, float]] = {}
     for span in (2, 3)[: longest - 1]:
         plain = _Chain(block, span)
-        segment = _Chain(block, span)
-        apply_segment(segment, [f"blocks.{k}" for k in range(span)], tier)
-        p_kept, _, p_left, _ = measure_memory(plain, inputs, device)
-        kept_, backward_, left_, forward_ = measure_memory(segment, inputs, device)
-        found[span] = (
-            float(kept_ - p_kept + span * single[0]),
-            float(backward_),
-            float(left_ - p_left + span * single[2]),
-            float(forward_),
-            measure_seconds(segment, plain, inputs, repeats) if repeats > 0 else math.nan,
-        )
-    options = []
-    moved = per_byte * _bytes_of(inputs[0][:1])
-    for span in range(2, longest + 1):
-        if span in found:
-            values, source = found[span], "measured"
-        else:  # memory: a block more adds what the third added; time: each block its share
-            a, b = found[2], found[3]
-            grown = [y + (span - 3) * (y - x) for x, y in zip(a[:4], b[:4], strict=True)]
-            values = (grown[0], grown[1], grown[2], grown[3], span * (a[4] + b[4]) / 5)
-            source = "extrapolated"
-        kept, backward, left, forward, seconds = values
-        options.append(
-            Option(
-                name=f"segment-{span}" + (f"-{tier}" if tier else ""),
-                kind="segment",
-                kept=int(kept),
-                backward=int(backward),
-                seconds=span * per_block + moved,
-                measured_seconds=seconds if repeats > 0 else None,
-                left=int(left),
-                span=span,
-                source=source,
-                tier=tier,
-                forward=int(forward),
+        chain = measure_memory(plain, inputs, device)
+        for tier in tiers:
+            segment = _Chain(block, span)
+            apply_segment(segment, [f"blocks.{k}" for k in range(span)], tier)
+            got = measure_memory(segment, inputs, device)
+            found[tier, span] = (
+                float(got.kept - chain.kept + span * single.kept),
+                float(got.backward),
+                float(got.left - chain.left + span * single.left),
+                float(got.forward),
+                measure_seconds(segment, plain, inputs, repeats) if repeats > 0 else math.nan,
             )
-        )
+    options = []
+    for tier, per_byte in tiers.items():
+        moved = per_byte * _input_bytes(inputs)
+        for span in range(2, longest + 1):
+            if (tier, span) in found:
+                values, source = found[tier, span], "measured"
+            else:  # memory: a block more adds what the third added; time: each its share
+                a, b = found[tier, 2], found[tier, 3]
+                grown = [y + (span - 3) * (y - x) for x, y in zip(a[:4], b[:4], strict=True)]
+                values = (grown[0], grown[1], grown[2], grown[3], span * (a[4] + b[4]) / 5)
+                source = "extrapolated"
+            kept, backward, left, forward, seconds = values
+            options.append(
+                Option(
+                    name=f"segment-{span}" + (f"-{tier}" if tier else ""),
+                    kind="segment",
+                    kept=int(kept),
+                    backward=int(backward),
+                    seconds=span * per_block + moved,
+                    measured_seconds=seconds if repeats > 0 else None,
+                    left=int(left),
+                    span=span,
+                    source=source,
+                    tier=tier,
+                    forward=int(forward),
+                )
+            )
     return options
 
 
@@ -361,7 +360,7 @@ def _tier_options(
         _Candidate(
             f"region-{tier}",
             "region",
-            profile.forward_seconds + cost * _bytes_of(inputs[0][:1]),
+            profile.forward_seconds + cost * _input_bytes(inputs),
             tier=tier,
         )
     ]
@@ -388,22 +387,21 @@ def _bound(
     """For each option that offloads, the worst case the chain counts (see [ Offloaded
     options ]): its forward peak at least its twin's that keeps instead, and the storages read
     ahead for the blocks before it during its backward."""
-    twins = {o.name: o for o in options}
-    sizes = sorted((op.bytes for op in profile.ops if op.saved and not op.view), reverse=True)
+    twins = {(o.kind, o.span): o for o in options if not o.offloads}
+    saved = sorted((op.bytes for op in profile.ops if op.saved and not op.view), reverse=True)
     for o in options:
         if not o.offloads:
             continue
-        if o.kind == "graph":
-            moved = [op.bytes for op in profile.ops if o.decisions.get(op.key) in _TIERS]
+        if o.kind == "graph":  # its twin keeps what it offloads
+            moved = [op.bytes for op in profile.ops if o.decisions.get(op.key) in OFFLOADS]
             o.ahead = sum(sorted(moved, reverse=True)[:_AHEAD])
-            kept = {k: "keep" if d in _TIERS[1:] else d for k, d in o.decisions.items()}
+            kept = {k: "keep" if d in OFFLOADS else d for k, d in o.decisions.items()}
             twin = copy.deepcopy(block)
             apply_option(twin, o.name, "graph", kept)
             o.forward = max(o.forward, measure_memory(twin, inputs, device).forward)
-        else:  # the whole block (plain) or its input (region) in the tier
-            back = sizes if o.kind == "plain" else [_bytes_of(inputs[0][:1])] * _AHEAD
-            o.ahead = sum(back[:_AHEAD])
-            o.forward = max(o.forward, twins[o.kind].forward)
+        else:  # the whole block (plain), or a region's or a segment's input, in the tier
+            o.ahead = sum(saved[:_AHEAD]) if o.kind == "plain" else _AHEAD * _input_bytes(inputs)
+            o.forward = max(o.forward, twins[o.kind, o.span].forward)
 
 
 def _options(
@@ -437,28 +435,19 @@ def _options(
                 _Candidate(f"graph-{k}", "graph", seconds, decisions, tensors, choice.gap)
             )
     options = [_measure(c, block, plain, inputs, device, repeats) for c in candidates]
-    per_byte: dict[str, float] = {}
+    per_byte: dict[str | None, float] = {None: 0.0}  # a segment's input kept, or in a tier
     for tier in _offload_tiers(tiers):
         found, per_byte[tier], seconds = _tier_options(
             block, plain, inputs, profile, device, points, repeats, tier, recompute, bandwidths
         )
         options += found
         solve_seconds += seconds
-    _bound(options, block, inputs, profile, device)
-    kept_options = undominated(options)
-    if not recompute:
-        return kept_options, solve_seconds
-    per_block = profile.forward_seconds + RECORD_OVERHEAD * len(profile.ops)
-    segments = _segments(block, inputs, device, longest, repeats, per_block)
-    kept_forward = {o.span: o.forward for o in segments}
-    for tier in _offload_tiers(tiers):
-        for o in _segments(
-            block, inputs, device, longest, repeats, per_block, tier, per_byte[tier]
-        ):
-            o.forward = max(o.forward, kept_forward[o.span])  # see [ Offloaded options ]
-            o.ahead = _AHEAD * _bytes_of(inputs[0][:1])
-            segments.append(o)
-    return kept_options + segments, solve_seconds
+    segments: list[Option] = []
+    if recompute:
+        per_block = profile.forward_seconds + RECORD_OVERHEAD * len(profile.ops)
+        segments = _segments(block, inputs, device, longest, repeats, per_block, per_byte)
+    _bound(options + segments, block, inputs, profile, device)
+    return undominated(options) + segments, solve_seconds
 
 
 def undominated(options: list[Option]) -> list[Option]:

@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 from .. import _state
 from .._aten import op_info
 from .._dispatch import EagerMode
-from .._nodes import _BLANK, _METADATA_ONLY
+from .._nodes import _BLANK
 from ..errors import RematError
 from ..modules import checkpoint_wrapper
 from ..policies import Decision, OpContext, must_save_reason
@@ -211,16 +211,9 @@ class _Observer:
             return Decision.PREFER_SAVE
         graph = _state.state.graph
         self.graph = graph
-        deps: set[int] = set()
-        if op.overloadpacket.__name__ in _METADATA_ONLY:  # its first argument: only the shape
-            args = args[1:]
-        for t in pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and graph is not None:
-                entry = graph.lookup(t)
-                ref = getattr(entry, "ref", None)
-                node = getattr(ref, "node", None)
-                if isinstance(node, int):
-                    deps.add(node)
+        # The earlier ops it reads, as the engine recorded them for its replay (a read of an
+        # argument's shape only, as ``empty_like``'s, is none).
+        deps = {ref.node for ref in graph._refs} if graph is not None else set()
         self.ops.append(
             OpRecord(
                 key=self.counter.key(ctx.module, op),

@@ -173,6 +173,8 @@ class _Shared:
 
     def release(self) -> None:
         """Let go of the tensors written so far, in the caller's thread (see [2. written])."""
+        if not self.written:  # read without the lock: a write finishing now waits a call
+            return
         with self.cond:
             written, self.written = self.written, []
             held = [t.data for t in written]
