@@ -169,18 +169,25 @@ def test_chain_peak_on_a_hand_built_chain() -> None:
     assert chain_peak(costs, [dropped, plain]) == 145
 
 
-def _random_chain(rng: random.Random) -> tuple[ChainCosts, list[list[ChainOption]]]:
+def _random_options(rng: random.Random, count: int, lefts: tuple[int, ...]) -> list[ChainOption]:
+    """A plain option and ``count`` random ones that trade kept bytes for time; each leaves
+    ``kept // d`` bytes for a ``d`` drawn from ``lefts`` (0: nothing)."""
     options = [ChainOption(kept=1000, backward=1200, seconds=0.0)]
-    for _ in range(rng.randrange(2, 5)):
+    for _ in range(count):
         kept = rng.randrange(50, 900)
         options.append(
             ChainOption(
                 kept=kept,
                 backward=rng.randrange(900, 1400),
                 seconds=rng.uniform(0.1, 2.0),
-                left=rng.choice([0, kept // 2, kept]),
+                left=kept // d if (d := rng.choice(lefts)) else 0,
             )
         )
+    return options
+
+
+def _random_chain(rng: random.Random) -> tuple[ChainCosts, list[list[ChainOption]]]:
+    options = _random_options(rng, rng.randrange(2, 5), (0, 2, 1))
     blocks = [options] * rng.randrange(2, 6)
     return ChainCosts(head=rng.randrange(0, 500), before=rng.randrange(0, 200), tail=50), blocks
 
@@ -314,17 +321,7 @@ def test_a_budget_some_assignment_fits_is_never_refused_on_a_coarse_grid(seed: i
     must be excluded by the retry, not met again until the retries run out (a 16-block MLP
     chain was refused at 72.1 MiB while plans of 30.1 MiB fit)."""
     rng = random.Random(seed)
-    options = [ChainOption(kept=1000, backward=1200, seconds=0.0)]
-    for _ in range(4):
-        kept = rng.randrange(50, 900)
-        options.append(
-            ChainOption(
-                kept=kept,
-                backward=rng.randrange(900, 1400),
-                seconds=rng.uniform(0.1, 2.0),
-                left=rng.choice([0, kept // 3]),
-            )
-        )
+    options = _random_options(rng, 4, (0, 3))
     blocks = [options] * 16
     costs = ChainCosts(head=100, before=10, tail=50)
     for _ in range(20):
