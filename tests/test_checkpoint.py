@@ -513,14 +513,127 @@ def test_region_without_writes_recomputes_with_no_dispatch_mode() -> None:
     assert_records_equal(train(plain, batches, F.mse_loss), train(wrapped, batches, F.mse_loss))
 
 
-def test_region_writing_batchnorm_statistics_is_guarded_in_every_recompute() -> None:
+def _batchnorm_block(momentum: float | None = 0.1) -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=momentum), nn.Tanh())
+
+
+def test_region_writing_batchnorm_statistics_undoes_the_recompute_writes() -> None:
+    # NOTE [ Writes undone ]: the first recompute runs guarded and shows the writes are the
+    # block's own state, never read back; later recomputes write it and put it back.
     torch.manual_seed(0)
-    block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    block = _batchnorm_block()
     plain = copy.deepcopy(block)
-    assert _modes_in_recompute(block, 3, _leaf(8, 4)) == [1, 1, 1]
+    x = _leaf(8, 4)
+    assert _modes_in_recompute(block, 3, x) == [1, 0, 0]
     for _ in range(3):
-        plain(_leaf(8, 4)).sum().backward()
+        plain(x).sum().backward()
     assert int(block[1].num_batches_tracked) == int(plain[1].num_batches_tracked) == 3
+    # Values and version counters as a plain run leaves them.
+    for a, b in zip(block.buffers(), plain.buffers(), strict=True):
+        assert torch.equal(a, b) and a._version == b._version
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_blocks_train_exactly_guarded_or_undone(momentum: float | None) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_batchnorm_block(momentum), _batchnorm_block(momentum))
+    wrapped = copy.deepcopy(model)
+    for block in wrapped:
+        remat.checkpoint_wrapper(block)
+    batches = [(torch.randn(8, 4), torch.randn(8, 4)) for _ in range(4)]
+    assert_records_equal(train(model, batches, F.mse_loss), train(wrapped, batches, F.mse_loss))
+
+
+def test_batchnorm_without_momentum_reads_its_count_back_and_stays_guarded() -> None:
+    # ``momentum=None`` reads ``num_batches_tracked`` after writing it: undoing would let the
+    # recompute read the count written twice, so every recompute runs guarded.
+    block = _batchnorm_block(momentum=None)
+    assert _modes_in_recompute(block, 3, _leaf(8, 4)) == [1, 1, 1]
+    assert int(block[1].num_batches_tracked) == 3
+
+
+class _Scaled(nn.Module):
+    """Counts its calls and scales by the count: reads its state after writing it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return (self.lin(x) * self.calls).sin()
+
+
+def test_state_read_after_its_write_keeps_the_guard() -> None:
+    # Undone writes would let the recompute read the count written twice: wrong gradients.
+    torch.manual_seed(0)
+    model = _Scaled()
+    wrapped = remat.checkpoint_wrapper(copy.deepcopy(model))
+    batches = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(3)]
+    assert_records_equal(train(model, batches, F.mse_loss), train(wrapped, batches, F.mse_loss))
+    assert _modes_in_recompute(_Scaled(), 3, _leaf(2, 4)) == [1, 1, 1]
+
+
+class _Calls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.lin(x).sin()
+
+
+def test_undone_writes_pass_autograd_version_check_of_a_later_save() -> None:
+    module = _Calls()
+    for step in range(3):
+        x, y = _leaf(2, 4), _leaf(2, 4)
+        out = remat.checkpoint(module, x)
+        other = y * module.calls  # saves ``calls`` at the version the forward pass left
+        out.sum().backward()  # the recompute writes ``calls`` and (from step 1) undoes it
+        other.sum().backward()  # would raise if the version had moved
+        assert torch.equal(y.grad, torch.full((2, 4), float(step + 1)))  # type: ignore[arg-type]
+    assert int(module.calls) == 3
+
+
+def test_undo_puts_state_back_when_the_recompute_raises() -> None:
+    module = _Calls()
+    fail = [False]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = module(x)
+        if remat.is_recomputing() and fail[0]:
+            raise RuntimeError("recompute failed")
+        return out * out  # saves ``out``: the recompute runs past the raise
+
+    remat.checkpoint(fn, _leaf(2, 4)).sum().backward()  # the guarded first recompute
+    fail[0] = True
+    out = remat.checkpoint(fn, _leaf(2, 4)).sum()
+    version = module.calls._version
+    with pytest.raises(RuntimeError, match="recompute failed"):
+        out.backward()
+    assert int(module.calls) == 2 and module.calls._version == version
+
+
+def test_state_over_the_undo_limit_keeps_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remat._guard, "UNDO_LIMIT", 2)  # smaller than the 4-byte count
+    module = _Calls()
+    assert _modes_in_recompute(module, 3, _leaf(2, 4)) == [1, 1, 1]
+    assert int(module.calls) == 3
+
+
+def test_hidden_write_next_to_a_seen_one_keeps_the_guard() -> None:
+    counter = _Counter()
+    module = _Calls()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        counter.calls.add_(1)  # out of the cheap check's sight, so out of the undo's
+        return module(x)
+
+    assert _modes_in_recompute(fn, 3, _leaf(2, 4)) == [1, 1, 1]
+    assert int(counter.calls) == int(module.calls) == 3
 
 
 class _Counter:
@@ -562,11 +675,16 @@ def test_closure_tensor_and_plain_module_attribute_writes_are_seen_in_forward() 
         calls.add_(1)
         return x.cos()
 
-    for function in (module, fn):
+    # The spy's first recompute is guarded. Its forward's check reaches the module through its
+    # closure, so the next recompute writes and is undone; a function in a closure it does not
+    # follow, so the write to ``calls`` is hidden from it and every recompute is guarded.
+    for function, modes in ((module, [1, 0]), (fn, [1, 1])):
         remat.checkpoint(function, _leaf(2, 4)).sum().backward()  # the guarded first recompute
         # As if that recompute had shown nothing: the forward's own check must see the write.
         remat._guard.verified(remat._guard.identities(function, ()), False)
-        assert _modes_in_recompute(function, 2, _leaf(2, 4)) == [1, 1]
+        assert _modes_in_recompute(function, 2, _leaf(2, 4)) == modes
+    # Written once per forward pass: had the forward's check missed the write, the unguarded
+    # recompute would have written it again, with nothing to undo it.
     assert int(module.seen) == 3 and int(calls) == 3
 
 

@@ -53,6 +53,34 @@ and their recompute needs no guard. A region's recompute runs unguarded when all
 
 Checking 1 costs one version read per listed tensor per forward pass (a dozen for a transformer
 block), against one Python call per operator of the recompute that it saves.
+
+NOTE [ Writes undone ]
+
+A region that does write state it reaches (a block with BatchNorm writes its running statistics
+in every training step) would need the guard in every recompute. It does not when the guard's
+effect can be had after the fact: let the recompute write the state, then put back what it
+overwrote. That gives what the guard gives when
+
+4. *the recompute writes only state it reaches and can put back*: tensors that 1 lists, need no
+   gradient and share no storage with the region's inputs, holding at most ``UNDO_LIMIT``
+   bytes in all. :class:`Undo` copies all of them (whether the forward pass was seen to write
+   them or not: BatchNorm's kernels write ``running_mean`` and ``running_var`` without bumping
+   their version counters, only ``num_batches_tracked`` shows the write) before the recompute
+   and copies them back after it, whether it ran to the end, stopped early or raised, and sets
+   their version counters back, so that autograd's check of a tensor saved after the forward
+   pass's write still passes and nothing after the step can tell the recompute ran;
+5. *it reads no state after writing it.* Under the guard an op that reads a written tensor
+   sees the value the forward pass left; once the write has landed it would see the written
+   one. A guarded recompute notes every op that takes an argument whose storage an earlier op
+   of the same recompute wrote (``WriteGuard.reread``; a second write counts). BatchNorm with
+   a ``momentum`` passes: ``num_batches_tracked`` is written and never read; with
+   ``momentum=None`` it is read back, and such a block stays guarded.
+
+Both are learnt as 2 is: from the guarded first recompute of the function (and of each module
+among its arguments) whose forward pass wrote, which notes writes outside the state of 4
+(``WriteGuard.hidden``) and reads after writes. The case left open is the one 2 leaves: a
+function that does either only on some later call, which ``remat.is_recomputing()`` closes.
+The cost is two copies of the state per recompute (BatchNorm's: three small tensors).
 """
 
 from __future__ import annotations
@@ -97,6 +125,10 @@ class Reachable:
     def written(self) -> bool:
         """Whether any listed tensor was written since this object was made."""
         return any(t._version != v for t, v in zip(self.tensors, self.versions, strict=True))
+
+    def changed(self) -> list[torch.Tensor]:
+        """The listed tensors written since this object was made."""
+        return [t for t, v in zip(self.tensors, self.versions, strict=True) if t._version != v]
 
 
 def _visit(value: Any, found: dict[int, torch.Tensor], seen: set[int], depth: int) -> None:
@@ -173,18 +205,23 @@ def _visit_code(function: Any, found: dict[int, torch.Tensor], seen: set[int]) -
 # Functions and modules whose first recompute ran guarded: ``True`` if the guard redirected a
 # write that ``Reachable`` did not see (see [ When the guard runs ] 2).
 _verified: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+# Functions and modules whose recomputes may write and be undone: ``True`` while every guarded
+# recompute of a forward pass that wrote showed only undoable writes (see [ Writes undone ]).
+_undoable: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def identities(function: Any, args: tuple[Any, ...]) -> list[Any]:
     """What [ When the guard runs ] 2 keys a region on: its function (the module, for a module
-    or its bound method) and the modules among its arguments; ``None`` for what cannot be
-    referenced weakly."""
+    or its bound method; the function inside a ``functools.partial``) and the modules among its
+    arguments and the partial's; ``None`` for what cannot be referenced weakly."""
+    bound: list[Any] = []
     while isinstance(function, functools.partial):
+        bound.extend((*function.args, *function.keywords.values()))
         function = function.func
     if isinstance(function, types.MethodType) and isinstance(function.__self__, nn.Module):
         function = function.__self__
     keys = [function]
-    for value in args:
+    for value in (*bound, *args):
         if isinstance(value, (list, tuple)):
             keys.extend(v for v in value if isinstance(v, nn.Module))
         elif isinstance(value, nn.Module):
@@ -213,13 +250,118 @@ def verified(keys: list[Any], hid_write: bool) -> None:
             _verified[key] = _verified.get(key, False) or hid_write
 
 
+def may_undo(keys: list[Any]) -> bool:
+    """Whether a recompute keyed ``keys`` may write and have its writes undone: guarded
+    recomputes showed that it is safe ([ Writes undone ] 4 and 5)."""
+    return all(key is not None and _undoable.get(key, False) for key in keys)
+
+
+def learned_undo(keys: list[Any], guard: WriteGuard) -> None:
+    """Remember whether a guarded recompute keyed ``keys``, whose forward pass wrote, showed
+    writes that can be undone: to its state only, none read back."""
+    ok = guard.hidden == 0 and not guard.reread
+    for key in keys:
+        if key is not None:
+            _undoable[key] = _undoable.get(key, True) and ok
+
+
+def undoable(written: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+    """Whether the forward pass's ``written`` tensors can be undone ([ Writes undone ] 5)."""
+    if _set_versions is None:
+        return False
+    arguments = {_storage_key(t) for t in inputs}
+    return not any(
+        t.requires_grad or _storage_key(t) is None or _storage_key(t) in arguments for t in written
+    )
+
+
+UNDO_LIMIT = 1 << 20  # the most bytes of state a recompute copies to undo its writes
+
+
+def undo_state(reach: Reachable, inputs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The state a recompute may write and have undone: the tensors ``reach`` lists that need
+    no gradient, have a plain storage and share none with ``inputs``; ``None`` when their
+    storages hold more than :data:`UNDO_LIMIT` bytes."""
+    arguments = {_storage_key(t) for t in inputs}
+    state: list[torch.Tensor] = []
+    sizes: dict[int, int] = {}
+    for t in reach.tensors:
+        key = _storage_key(t)
+        if key is None or t.requires_grad or key in arguments:
+            continue
+        state.append(t)
+        sizes[key] = t.untyped_storage().nbytes()
+    return state if sum(sizes.values()) <= UNDO_LIMIT else None
+
+
+class Undo:
+    """Copies of the storages of ``tensors`` and their versions, put back by :meth:`close`."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.versions = [t._version for t in tensors]
+        storages: dict[int, torch.UntypedStorage] = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            storages.setdefault(int(storage._cdata), storage)
+        self.copies = [(s, s.clone()) for s in storages.values()]  # type: ignore[no-untyped-call]
+
+    def close(self) -> None:
+        with torch.no_grad():
+            for storage, copy in self.copies:
+                storage.copy_(copy)
+        assert _set_versions is not None  # see ``undoable``
+        _set_versions(self.tensors, self.versions)
+
+
+def _version_setter() -> Callable[[list[torch.Tensor], list[int]], None] | None:
+    """Sets tensors' version counters: ``torch._C._autograd._unsafe_set_version_counter``,
+    which takes sequences since torch 2.5 and one tensor before; ``None`` where it is missing."""
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None:
+        return None
+    probe = torch.zeros(())
+    try:
+        setter((probe,), (0,))
+    except TypeError:
+
+        def one_by_one(tensors: list[torch.Tensor], versions: list[int]) -> None:
+            for t, v in zip(tensors, versions, strict=True):
+                setter(t, v)
+
+        return one_by_one
+
+    def all_at_once(tensors: list[torch.Tensor], versions: list[int]) -> None:
+        setter(tuple(tensors), tuple(versions))
+
+    return all_at_once
+
+
+_set_versions = _version_setter()
+
+
 class WriteGuard(EagerMode):
     """Redirect writes to external tensors onto throwaway copies; see [ State mutates once ]."""
 
-    def __init__(self) -> None:
+    def __init__(self, expected: list[torch.Tensor] | None = None) -> None:
         super().__init__()
         self._fresh: set[int] = set()
         self.redirected = 0
+        # The storages a write may go to and be undone (``None``: not known), the writes to
+        # others (``hidden``), and whether an op read a storage an earlier op wrote.
+        self._expected = None if expected is None else {_storage_key(t) for t in expected} - {None}
+        self.hidden = 0
+        self._written: set[int] = set()
+        self.reread = False
+        # Autograd bumps the version of a tensor an op writes, even though the write went to a
+        # copy: the versions to set back on exit, so that the recompute leaves none changed.
+        self._versions: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        if self._versions and _set_versions is not None:
+            tensors, versions = zip(*self._versions.values(), strict=True)
+            _set_versions(list(tensors), list(versions))
 
     def __torch_dispatch__(
         self,
@@ -231,6 +373,8 @@ class WriteGuard(EagerMode):
         if kwargs is None:
             kwargs = {}
         info = op_info(func)
+        if self._written and not self.reread:
+            self.reread = any(self._storage_written(v) for v in (*args, *kwargs.values()))
         if info.writes:
             args, kwargs = self._redirect(info.writes, args, kwargs)
         out = func(*args, **kwargs)
@@ -264,8 +408,19 @@ class WriteGuard(EagerMode):
                 kwargs = {**kwargs, name: self._copy(kwargs[name])}
         return (tuple(new_args) if new_args is not None else args), kwargs
 
+    def _storage_written(self, value: Any) -> bool:
+        if isinstance(value, (list, tuple)):
+            return any(self._storage_written(v) for v in value)
+        return isinstance(value, torch.Tensor) and _storage_key(value) in self._written
+
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
         self.redirected += 1
+        self._versions.setdefault(id(t), (t, t._version))
+        key = _storage_key(t)
+        if key is not None:
+            self._written.add(key)
+        if self._expected is not None and key not in self._expected:
+            self.hidden += 1
         copy = t.clone()
         key = _storage_key(copy)
         if key is not None:

@@ -55,7 +55,18 @@ from torch.utils import _pytree as pytree
 from . import _state
 from ._ambient import Ambient
 from ._dispatch import EagerMode
-from ._guard import Reachable, WriteGuard, identities, needs_guard, verified
+from ._guard import (
+    Reachable,
+    Undo,
+    WriteGuard,
+    identities,
+    learned_undo,
+    may_undo,
+    needs_guard,
+    undo_state,
+    undoable,
+    verified,
+)
 from ._types import ContextFn
 from .errors import CheckpointError, RematError, did_you_mean
 from .policies import Policy
@@ -183,8 +194,11 @@ class _Frame:
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.recomputed: dict[int, weakref.WeakKeyDictionary[_Slot, torch.Tensor]] = {}
         self.forward_ops: list[str] | None = [] if debug else None
-        # Whether the forward pass wrote a tensor it can reach: see [ When the guard runs ].
+        # Whether the forward pass wrote a tensor it can reach, and whether the recompute may
+        # write and undo instead of running guarded: see [ When the guard runs ] and
+        # [ Writes undone ] in _guard.py.
         self.wrote = True
+        self.undoable = False
         self.keys = identities(function, args)
 
     # -- forward ---------------------------------------------------------------------------
@@ -261,11 +275,30 @@ class _Frame:
             return detached
 
         log = _OpLog() if self.forward_ops is not None else None
-        # See NOTE [ When the guard runs ] in _guard.py.
-        guard = WriteGuard() if self.wrote or needs_guard(self.keys) else None
-        reach = Reachable(self.function, args, kwargs) if guard is None else None
+        # See NOTES [ When the guard runs ] and [ Writes undone ] in _guard.py.
+        reach: Reachable | None = None
+        undo: Undo | None = None
+        guard: WriteGuard | None = None
+        state: list[torch.Tensor] | None = None
+        if self.wrote:
+            if self.undoable:
+                reach = Reachable(self.function, args, kwargs)
+                state = undo_state(reach, _tensors(args, kwargs))
+            if state is not None and may_undo(self.keys):
+                undo = Undo(state)
+            else:
+                reach, guard = None, WriteGuard(state)
+        elif needs_guard(self.keys):
+            guard = WriteGuard([])
+        else:
+            reach = Reachable(self.function, args, kwargs)
+        changed: list[torch.Tensor] = []
         try:
             with contextlib.ExitStack() as stack:
+                if undo is not None:
+                    stack.callback(undo.close)
+                if reach is not None:  # read before ``undo`` sets the versions back
+                    stack.callback(lambda: changed.extend(reach.changed()))
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(_state.recomputing())
@@ -284,7 +317,10 @@ class _Frame:
             raise
         if guard is not None and not self.wrote:
             verified(self.keys, guard.redirected > 0)
-        if reach is not None and reach.written():
+        elif guard is not None and state is not None:
+            learned_undo(self.keys, guard)
+        undone = {id(t) for t in undo.tensors} if undo is not None else set()
+        if any(id(t) not in undone for t in changed):
             raise CheckpointError(
                 "remat: the recompute of a checkpointed region wrote a tensor that outlives it "
                 "(a parameter, buffer or input), which its forward pass did not write. "
@@ -572,9 +608,18 @@ def run_region(
         # version counters: then its own recompute is guarded too.
         reach = Reachable(function, args, kwargs) if not _state.state.recomputing else None
         out = function(*args, **kwargs)
-    frame.wrote = reach is None or reach.written()
+    if reach is not None:
+        written = reach.changed()
+        frame.wrote = bool(written)
+        frame.undoable = frame.wrote and undoable(written, [*tensors, *nested])
     ambient.check_forward_done()
     return out
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among ``args`` and ``kwargs``, and those nested in them."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    return [v for v in leaves if isinstance(v, torch.Tensor)]
 
 
 def _compiled(function: Any) -> bool:
