@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -251,4 +252,146 @@ def test_a_plan_with_segments_in_a_users_loop_with_save_and_resume(tmp_path: Any
         lambda: remat.Plan.load(tmp_path / "plan.json").apply(build()),
         lambda m: _loss(m(x), target),
         tmp_path,
+    )
+
+
+# -- segments of an nn.Sequential (NOTE [ Segments of an nn.Sequential ] in apply.py) -----------
+
+
+class _Spy(nn.Module):
+    """Notes, at each call, the dispatch modes active and whether a recompute runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        if torch.is_grad_enabled():
+            self.seen.append((len(_get_current_dispatch_mode_stack()), remat.is_recomputing()))
+        return x
+
+
+def _spied_sequential() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(_Block(), _Spy()) for _ in range(4))).train()
+
+
+def _spy(model: nn.Module) -> _Spy:
+    spy = model.get_submodule("2.1")
+    assert isinstance(spy, _Spy)
+    return spy
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).square().mean().backward()  # type: ignore[no-untyped-call]
+
+
+def test_segment_of_an_nn_sequential_runs_on_the_region_engine() -> None:
+    model = _spied_sequential()
+    segmented = copy.deepcopy(model)
+    apply_segment(segmented, ["1", "2", "3"])
+    x = torch.randn(32, 64)
+    _step(segmented, x)
+    _step(segmented, x)
+    # Forward with no dispatch mode (the graph engine records under one), then one recompute,
+    # the first one under the write guard (see NOTE [ When the guard runs ] in _guard.py).
+    assert _spy(segmented).seen == [(0, False), (1, True), (0, False), (0, True)]
+    batches = [(x, torch.randn(32, 64)) for _ in range(2)]
+    assert_records_equal(train(model, batches, _loss), train(segmented, batches, _loss))
+    # Held after forward: the segment's input (and generator state), not its activations.
+    from remat.planning.cost import measure_memory
+
+    cpu, inputs = torch.device("cpu"), ((x.requires_grad_(),), {})
+    plain_kept, segment_kept = (measure_memory(m, inputs, cpu).kept for m in (model, segmented))
+    block_kept = plain_kept // 4
+    assert plain_kept - 3 * block_kept < segment_kept < plain_kept - 2 * block_kept
+
+
+def test_blocks_of_a_segmented_nn_sequential_called_one_by_one_follow_the_plan() -> None:
+    """Code that loops over the children calls the blocks without the parent's forward: the
+    graph-engine hooks run the segment then, and it stays exact."""
+    model = _spied_sequential()
+    segmented = copy.deepcopy(model)
+    apply_segment(segmented, ["1", "2", "3"])
+
+    def by_hand(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        for child in m.children():
+            x = child(x)
+        return x
+
+    x = torch.randn(32, 64)
+    by_hand(segmented, x).square().mean().backward()
+    modes, recomputing = zip(*_spy(segmented).seen, strict=True)
+    assert modes[0] == 1 and not recomputing[0]  # recorded by the graph engine
+    for m in (model, segmented):
+        m.forward = functools.partial(by_hand, m)  # type: ignore[method-assign]
+    batches = [(x, torch.randn(32, 64)) for _ in range(2)]
+    assert_records_equal(train(model, batches, _loss), train(segmented, batches, _loss))
+
+
+def test_a_deep_copy_of_a_segmented_nn_sequential_follows_its_plan_and_undo_restores() -> None:
+    model = _spied_sequential()
+    apply_segment(model, ["1", "2", "3"])
+    copied = copy.deepcopy(model)
+    x = torch.randn(32, 64)
+    _step(copied, x)
+    assert _spy(copied).seen == [(0, False), (1, True)] and not _spy(model).seen
+    undo_segment(copied, ["1", "2", "3"])
+    assert "forward" not in copied.__dict__
+    _spy(copied).seen.clear()
+    _step(copied, x)
+    assert _spy(copied).seen == [(0, False)]  # a plain step
+
+
+def test_an_nn_sequential_with_its_own_forward_keeps_the_graph_engine() -> None:
+    class Scaled(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            for module in self:
+                x = module(x) * 0.5
+            return x
+
+    torch.manual_seed(0)
+    model = Scaled(*(nn.Sequential(_Block(), _Spy()) for _ in range(4))).train()
+    segmented = copy.deepcopy(model)
+    apply_segment(segmented, ["1", "2", "3"])
+    assert "forward" not in segmented.__dict__
+    x = torch.randn(32, 64)
+    _step(segmented, x)
+    assert _spy(segmented).seen[0] == (1, False)
+    batches = [(x, torch.randn(32, 64)) for _ in range(2)]
+    assert_records_equal(train(model, batches, _loss), train(segmented, batches, _loss))
+
+
+def test_planned_segments_stay_inside_their_nn_sequential() -> None:
+    """Two nn.Sequential of the same blocks: a segment crossing from one to the other would run
+    on the graph engine, not on the region engine it was measured on, so none does."""
+    from remat.planning.planner import _smallest, profile_model, solve
+    from remat.workloads.mlp import MLPBlock
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(*(MLPBlock(128, 0.1) for _ in range(3))),
+        nn.Sequential(*(MLPBlock(128, 0.1) for _ in range(3))),
+    ).train()
+    x, target = torch.randn(128, 128), torch.randn(128, 128)
+    profiled = profile_model(model, x, lambda o: _loss(o, target), blocks=MLPBlock, repeats=0)
+    assert profiled.groups == ["0"] * 3 + ["1"] * 3
+    # Blocks 1 to 5 are of one type (block 0's input needs no gradient): segments of up to
+    # five blocks are measured, but the chain offers none across the two nn.Sequential.
+    assert max(o.span for o in profiled.options[profiled.types[1]]) == 5
+    assert all(i + o.span <= 3 for i in range(3) for o in profiled.chain[i])
+    plan = solve(profiled, _smallest(profiled.costs, profiled.chain))
+    from remat.planning._plan import segments
+
+    found = segments(plan.blocks)
+    assert found, plan.summary()
+    assert all(len({p.split(".")[0] for p in paths}) == 1 for paths in found), found
+    planned = plan.apply(copy.deepcopy(model))
+    measured = _peak(planned, x, target)
+    assert abs(measured - plan.predicted_peak) <= 0.03 * measured, plan.summary()
+    assert_records_equal(
+        train(copy.deepcopy(model), [(x, target)] * 2, _loss),
+        train(planned, [(x, target)] * 2, _loss),
     )

@@ -29,11 +29,28 @@ forward (a hook on the root, for a forward that stops before the last block, or 
 parent raises between blocks). A forward that begins while one is open (a stale region) closes
 it first. Under ``torch.no_grad()``, ``remat.disable_checkpointing()`` or ``torch.compile`` the
 blocks run plainly.
+
+NOTE [ Segments of an nn.Sequential ]
+
+Recording every op costs the graph engine Python per op that the region engine does not pay
+(2-3% of a step at the medium sizes of ``remat bench``). Where there is a function to re-run,
+the region engine can run the segment: when the blocks are consecutive children of an
+``nn.Sequential`` whose class keeps ``nn.Sequential.forward``, that forward feeds each child's
+output to the next child and does nothing else, so re-running the blocks one after another is
+the segment's forward. :class:`SequentialSegments` then replaces the parent's ``forward`` (an
+instance attribute, as ``checkpoint_wrapper`` sets one) by one that calls each segment's blocks
+inside one region-engine region, as ``checkpoint_sequential`` does. The graph-engine hooks stay
+on the blocks for code that calls them without the parent (a loop over the ``nn.Sequential``'s
+children): inside the parent's region they stand aside (``Segment.bypass``), outside it they
+record as above, so the plan is followed either way. A segment whose input waits in a tier
+stays on the graph engine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -43,6 +60,7 @@ import torch
 from torch import nn
 
 from .. import _state
+from ..checkpoint import RegionOptions, run_region
 from ..modules import checkpoint_wrapper, is_wrapped
 from ..policies import Decision, OpContext, recompute_everything
 from ..store import offload
@@ -188,10 +206,16 @@ class Segment:
         self.tier = tier  # the segment's input goes to this tier (``remat.offload``)
         self._open: contextlib.ExitStack | None = None
         self._error: BaseException | None = None  # the error being handled when it opened
+        self.bypass = 0  # > 0 while the region engine runs the blocks ([ Segments of an ...])
 
     def enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self.close()
-        if not torch.is_grad_enabled() or _state.state.disabled or torch.compiler.is_compiling():
+        if (
+            self.bypass
+            or not torch.is_grad_enabled()
+            or _state.state.disabled
+            or torch.compiler.is_compiling()
+        ):
             return
         from ..graph import recording
 
@@ -228,6 +252,13 @@ def apply_segment(root: nn.Module, paths: list[str], tier: str | None = None) ->
         block.register_forward_hook(segment.exit_on_error, always_call=True)
     blocks[-1].register_forward_hook(segment.exit, always_call=True)
     root.register_forward_hook(segment.exit, always_call=True)
+    parent = sequential_parent(root, paths)
+    if tier is None and parent is not None:
+        segments = parent.__dict__.get("forward")
+        if segments is None:
+            segments = parent.forward = SequentialSegments(parent)  # type: ignore[method-assign]
+        if isinstance(segments, SequentialSegments):
+            segments.runs.append((tuple(blocks), segment))
     return segment
 
 
@@ -239,3 +270,69 @@ def undo_segment(root: nn.Module, paths: list[str]) -> None:
                 k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None), Segment)
             ]:
                 del hooks[key]
+    parent = sequential_parent(root, paths)
+    segments = parent.__dict__.get("forward") if parent is not None else None
+    if isinstance(segments, SequentialSegments):
+        first = root.get_submodule(paths[0])
+        segments.runs = [r for r in segments.runs if r[0][0] is not first]
+        if not segments.runs:
+            del parent.forward  # type: ignore[union-attr]
+
+
+def sequential_parent(root: nn.Module, paths: list[str]) -> nn.Sequential | None:
+    """The ``nn.Sequential`` whose consecutive children ``paths`` are, if its class keeps
+    ``nn.Sequential.forward`` (see [ Segments of an nn.Sequential ]); ``None`` otherwise."""
+    parents = {p.rpartition(".")[0] for p in paths}
+    if len(parents) != 1:
+        return None
+    parent = root.get_submodule(parents.pop())
+    if not isinstance(parent, nn.Sequential) or type(parent).forward is not nn.Sequential.forward:
+        return None
+    names = list(parent._modules)
+    first = names.index(paths[0].rpartition(".")[2])
+    if names[first : first + len(paths)] != [p.rpartition(".")[2] for p in paths]:
+        return None
+    return parent
+
+
+class SequentialSegments:
+    """``nn.Sequential.forward`` with segments run by the region engine (see [ Segments of an
+    nn.Sequential ]): ``runs`` holds each segment's blocks and their graph-engine
+    :class:`Segment` (objects, not ids, so that a deep copy of the model follows its plan)."""
+
+    def __init__(self, parent: nn.Sequential) -> None:
+        self.parent = parent
+        self.runs: list[tuple[tuple[nn.Module, ...], Segment]] = []
+
+    def __call__(self, input: Any) -> Any:
+        modules = list(self.parent._modules.values())
+        i = 0
+        while i < len(modules):
+            run = next((r for r in self.runs if r[0][0] is modules[i]), None)
+            here = modules[i : i + len(run[0])] if run is not None else []
+            if (
+                run is not None
+                and len(here) == len(run[0])
+                and all(map(operator.is_, here, run[0]))
+            ):
+                function = functools.partial(_run_blocks, run[1], run[0])
+                input = run_region(function, (input,), {}, _REGION)
+                i += len(run[0])
+            else:
+                input = modules[i](input)
+                i += 1
+        return input
+
+
+_REGION = RegionOptions()
+
+
+def _run_blocks(segment: Segment, blocks: tuple[nn.Module, ...], x: Any) -> Any:
+    """The blocks of a segment one after another, its graph-engine hooks standing aside."""
+    segment.bypass += 1
+    try:
+        for block in blocks:
+            x = block(x)
+        return x
+    finally:
+        segment.bypass -= 1

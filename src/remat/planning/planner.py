@@ -179,6 +179,17 @@ class _Chain(nn.Module):
         return out
 
 
+def _chain_of(block: nn.Module, span: int, sequential: bool) -> tuple[nn.Module, list[str]]:
+    """``span`` copies of ``block`` chained as the model chains them, and their paths: in an
+    ``nn.Sequential`` where the model's blocks sit in one (see [ Segments of an nn.Sequential ]
+    in ``apply.py``), else in a :class:`_Chain`."""
+    if sequential:
+        return nn.Sequential(*(copy.deepcopy(block) for _ in range(span))), [
+            str(k) for k in range(span)
+        ]
+    return _Chain(block, span), [f"blocks.{k}" for k in range(span)]
+
+
 def _chains(block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
     """Whether ``block``'s first output can be its next copy's first argument."""
     args, kwargs = fresh_inputs(inputs)
@@ -198,6 +209,7 @@ def _segments(
     repeats: int,
     per_block: float,
     tiers: dict[str | None, float],
+    sequential: bool = False,
 ) -> list[Option]:
     """Segment options of 2 to ``longest`` blocks (see [ Segments ] in ``solve.py``): those of
     two and three blocks measured on chains of copies of ``block`` against plain chains of the
@@ -207,17 +219,19 @@ def _segments(
     bytes are written as the plain blocks' plus the segment's difference from a plain chain.
     ``per_block`` is the op model's extra seconds per block (a forward replayed and recorded),
     the prediction when nothing is timed (``repeats=0``). ``tiers`` maps each tier the
-    segment's input may wait in (``None``: none) to its seconds per byte."""
+    segment's input may wait in (``None``: none) to its seconds per byte. ``sequential``: the
+    model's blocks of this type sit in an ``nn.Sequential``, whose segments without a tier run
+    on the region engine, measured so."""
     if longest < 2 or not _chains(block, inputs):
         return []
     single = measure_memory(copy.deepcopy(block), inputs, device)
     found: dict[tuple[str | None, int], tuple[float, float, float, float, float]] = {}
     for span in (2, 3)[: longest - 1]:
-        plain = _Chain(block, span)
+        plain, _ = _chain_of(block, span, sequential)
         chain = measure_memory(plain, inputs, device)
         for tier in tiers:
-            segment = _Chain(block, span)
-            apply_segment(segment, [f"blocks.{k}" for k in range(span)], tier)
+            segment, paths = _chain_of(block, span, sequential)
+            apply_segment(segment, paths, tier)
             got = measure_memory(segment, inputs, device)
             found[tier, span] = (
                 float(got.kept - chain.kept + span * single.kept),
@@ -414,6 +428,7 @@ def _options(
     longest: int = 1,
     tiers: Sequence[str] = ("recompute",),
     bandwidths: dict[str, float] | None = None,
+    sequential: bool = False,
 ) -> tuple[list[Option], float]:
     """The options of one block type, each measured on a copy of ``block``; the solve time.
     With an offload tier, the bandwidths it reached while the block computed go into
@@ -444,8 +459,13 @@ def _options(
         solve_seconds += seconds
     segments: list[Option] = []
     if recompute:
-        per_block = profile.forward_seconds + RECORD_OVERHEAD * len(profile.ops)
-        segments = _segments(block, inputs, device, longest, repeats, per_block, per_byte)
+        # A segment replays each block's forward; the graph engine records it in forward too.
+        per_block = profile.forward_seconds + (
+            0.0 if sequential else RECORD_OVERHEAD * len(profile.ops)
+        )
+        segments = _segments(
+            block, inputs, device, longest, repeats, per_block, per_byte, sequential
+        )
     _bound(options + segments, block, inputs, profile, device)
     return undominated(options) + segments, solve_seconds
 
@@ -495,10 +515,14 @@ def _runs(types: list[str]) -> dict[str, int]:
 
 
 def _chain(
-    plain: PlainStep, types: list[str], options: dict[str, list[Option]]
+    plain: PlainStep,
+    types: list[str],
+    options: dict[str, list[Option]],
+    groups: Sequence[str] = (),
 ) -> tuple[ChainCosts, list[list[ChainOption]], list[list[str]]]:
     """The chain model's constants, and per block the options that may start there (a segment
-    only where the blocks it covers are of one type) with their names."""
+    only where the blocks it covers are of one type and, if ``groups`` names one per block, of
+    one group) with their names."""
     base = {name: next(o for o in opts if o.kind == "plain") for name, opts in options.items()}
     # What is live besides the blocks' kept bytes at each block's backward, measured there: in
     # a U-Net the skip tensors and their gradients make it differ from block to block, and one
@@ -511,7 +535,12 @@ def _chain(
     chain: list[list[ChainOption]] = []
     names: list[list[str]] = []
     for i, t in enumerate(types):
-        here = [o for o in options[t] if o.span == 1 or types[i : i + o.span] == [t] * o.span]
+        here = [
+            o
+            for o in options[t]
+            if o.span == 1
+            or (types[i : i + o.span] == [t] * o.span and len(set(groups[i : i + o.span])) <= 1)
+        ]
         chain.append(
             [
                 ChainOption(
@@ -569,12 +598,17 @@ class Profiled:
     profile_seconds: float
     # Bytes per second each offload tier wrote and read while a block computed.
     bandwidths: dict[str, float] = field(default_factory=dict)
+    # Per block, the ``nn.Sequential`` its segments run in on the region engine, or "": a
+    # segment must not leave it, or it would run on the graph engine, not as measured.
+    groups: list[str] = field(default_factory=list)
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
     names: list[list[str]] = field(init=False)  # the name of each chain option
 
     def __post_init__(self) -> None:
-        self.costs, self.chain, self.names = _chain(self.plain, self.types, self.options)
+        self.costs, self.chain, self.names = _chain(
+            self.plain, self.types, self.options, self.groups
+        )
 
     def restricted(self, tiers: Sequence[str]) -> Profiled:
         """The same measurements with only the options that use no more than ``tiers``."""
@@ -654,6 +688,10 @@ def profile_model(
         bandwidths: dict[str, float] = {}
         solve_seconds = 0.0
         longest = {t: min(n, MAX_SEGMENT) for t, n in _runs(found.types).items()}
+        sequential = {
+            t: all(p in found.sequential for p, u in zip(paths, found.types, strict=True) if u == t)
+            for t in found.types
+        }
         for t in dict.fromkeys(found.types):
             path = paths[found.types.index(t)]
             block = model.get_submodule(path)
@@ -668,6 +706,7 @@ def profile_model(
                 longest[t],
                 chosen_tiers,
                 bandwidths,
+                sequential[t],
             )
             solve_seconds += seconds
     return Profiled(
@@ -680,6 +719,10 @@ def profile_model(
         solve_seconds=solve_seconds,
         profile_seconds=time.perf_counter() - started,
         bandwidths=bandwidths,
+        groups=[
+            p.rpartition(".")[0] if sequential[t] else ""
+            for p, t in zip(paths, found.types, strict=True)
+        ],
     )
 
 

@@ -73,6 +73,9 @@ class Blocks:
     paths: list[str]
     types: list[str]
     inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
+    # The blocks whose parent is an ``nn.Sequential`` that keeps its class's forward and ran in
+    # the step: their segments can run on the region engine ([ Segments of an nn.Sequential ]).
+    sequential: set[str] = field(default_factory=set)
 
 
 def op_key(module: str, op: Any, occurrence: int) -> str:
@@ -171,11 +174,19 @@ def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Bloc
 
     for path in paths:
         handles.append(names[path].register_forward_pre_hook(hook(path), with_kwargs=True))
+    called: set[str] = set()
+    for parent in {p.rpartition(".")[0] for p in paths}:
+        module = names[parent]
+        if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
+            handles.append(
+                module.register_forward_pre_hook(lambda *_, parent=parent: called.add(parent))
+            )
     try:
         step()
     finally:
         for h in handles:
             h.remove()
+    found.sequential = {p for p in paths if p.rpartition(".")[0] in called}
     signatures: dict[Any, str] = {}
     for path in paths:
         if path not in found.inputs:
