@@ -552,38 +552,30 @@ def test_batchnorm_without_momentum_reads_its_count_back_and_stays_guarded() -> 
     assert int(block[1].num_batches_tracked) == 3
 
 
-class _Scaled(nn.Module):
-    """Counts its calls and scales by the count: reads its state after writing it."""
+class _Calls(nn.Module):
+    """Counts its calls in a buffer; ``scaled`` also scales by the count, reading its state
+    after writing it."""
 
-    def __init__(self) -> None:
+    def __init__(self, scaled: bool = False) -> None:
         super().__init__()
         self.register_buffer("calls", torch.zeros(()))
         self.lin = nn.Linear(4, 4)
+        self.scaled = scaled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.add_(1)
-        return (self.lin(x) * self.calls).sin()
+        y = self.lin(x)
+        return (y * self.calls if self.scaled else y).sin()
 
 
 def test_state_read_after_its_write_keeps_the_guard() -> None:
     # Undone writes would let the recompute read the count written twice: wrong gradients.
     torch.manual_seed(0)
-    model = _Scaled()
+    model = _Calls(scaled=True)
     wrapped = remat.checkpoint_wrapper(copy.deepcopy(model))
     batches = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(3)]
     assert_records_equal(train(model, batches, F.mse_loss), train(wrapped, batches, F.mse_loss))
-    assert _modes_in_recompute(_Scaled(), 3, _leaf(2, 4)) == [1, 1, 1]
-
-
-class _Calls(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("calls", torch.zeros(()))
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls.add_(1)
-        return self.lin(x).sin()
+    assert _modes_in_recompute(_Calls(scaled=True), 3, _leaf(2, 4)) == [1, 1, 1]
 
 
 def test_undone_writes_pass_autograd_version_check_of_a_later_save() -> None:
