@@ -265,32 +265,31 @@ def learned_undo(keys: list[Any], guard: WriteGuard) -> None:
             _undoable[key] = _undoable.get(key, True) and ok
 
 
-def undoable(written: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
-    """Whether the forward pass's ``written`` tensors can be undone ([ Writes undone ] 5)."""
-    if _set_versions is None:
-        return False
+def _state(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The ``tensors`` a recompute could write and undo ([ Writes undone ] 4): those that need
+    no gradient and have a plain storage that none of ``inputs`` shares."""
     arguments = {_storage_key(t) for t in inputs}
-    return not any(
-        t.requires_grad or _storage_key(t) is None or _storage_key(t) in arguments for t in written
-    )
+    return [
+        t
+        for t in tensors
+        if not t.requires_grad and (key := _storage_key(t)) is not None and key not in arguments
+    ]
+
+
+def undoable(written: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+    """Whether the forward pass's ``written`` tensors can be undone ([ Writes undone ] 4)."""
+    return _set_versions is not None and len(_state(written, inputs)) == len(written)
 
 
 UNDO_LIMIT = 1 << 20  # the most bytes of state a recompute copies to undo its writes
 
 
 def undo_state(reach: Reachable, inputs: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """The state a recompute may write and have undone: the tensors ``reach`` lists that need
-    no gradient, have a plain storage and share none with ``inputs``; ``None`` when their
-    storages hold more than :data:`UNDO_LIMIT` bytes."""
-    arguments = {_storage_key(t) for t in inputs}
-    state: list[torch.Tensor] = []
-    sizes: dict[int, int] = {}
-    for t in reach.tensors:
-        key = _storage_key(t)
-        if key is None or t.requires_grad or key in arguments:
-            continue
-        state.append(t)
-        sizes[key] = t.untyped_storage().nbytes()
+    """The state a recompute may write and have undone: the tensors of :func:`_state` among
+    those ``reach`` lists; ``None`` when their storages hold more than :data:`UNDO_LIMIT`
+    bytes."""
+    state = _state(reach.tensors, inputs)
+    sizes = {_storage_key(t): t.untyped_storage().nbytes() for t in state}
     return state if sum(sizes.values()) <= UNDO_LIMIT else None
 
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -65,7 +64,7 @@ from ..modules import checkpoint_wrapper, is_wrapped
 from ..policies import Decision, OpContext, recompute_everything
 from ..store import offload
 from ..store.scope import _NAMES
-from .profile import KeyCounter
+from .profile import KeyCounter, plain_sequential
 
 __all__ = ["PlanPolicy", "Segment"]
 
@@ -286,7 +285,7 @@ def sequential_parent(root: nn.Module, paths: list[str]) -> nn.Sequential | None
     if len(parents) != 1:
         return None
     parent = root.get_submodule(parents.pop())
-    if not isinstance(parent, nn.Sequential) or type(parent).forward is not nn.Sequential.forward:
+    if not plain_sequential(parent):
         return None
     names = list(parent._modules)
     first = names.index(paths[0].rpartition(".")[2])
@@ -309,12 +308,8 @@ class SequentialSegments:
         i = 0
         while i < len(modules):
             run = next((r for r in self.runs if r[0][0] is modules[i]), None)
-            here = modules[i : i + len(run[0])] if run is not None else []
-            if (
-                run is not None
-                and len(here) == len(run[0])
-                and all(map(operator.is_, here, run[0]))
-            ):
+            # Modules compare by identity: the segment's blocks, where the plan left them.
+            if run is not None and tuple(modules[i : i + len(run[0])]) == run[0]:
                 function = functools.partial(_run_blocks, run[1], run[0])
                 input = run_region(function, (input,), {}, _REGION)
                 i += len(run[0])

@@ -27,7 +27,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -76,6 +76,12 @@ class Blocks:
     # The blocks whose parent is an ``nn.Sequential`` that keeps its class's forward and ran in
     # the step: their segments can run on the region engine ([ Segments of an nn.Sequential ]).
     sequential: set[str] = field(default_factory=set)
+
+
+def plain_sequential(module: nn.Module) -> TypeGuard[nn.Sequential]:
+    """Whether ``module`` is an ``nn.Sequential`` whose class keeps ``nn.Sequential.forward``:
+    each child's output goes to the next child, and nothing else runs."""
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
 
 
 def op_key(module: str, op: Any, occurrence: int) -> str:
@@ -176,10 +182,11 @@ def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Bloc
         handles.append(names[path].register_forward_pre_hook(hook(path), with_kwargs=True))
     called: set[str] = set()
     for parent in {p.rpartition(".")[0] for p in paths}:
-        module = names[parent]
-        if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
+        if plain_sequential(names[parent]):
             handles.append(
-                module.register_forward_pre_hook(lambda *_, parent=parent: called.add(parent))
+                names[parent].register_forward_pre_hook(
+                    lambda *_, parent=parent: called.add(parent)
+                )
             )
     try:
         step()
