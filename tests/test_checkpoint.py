@@ -16,7 +16,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import remat
 
-from helpers import assert_equal, assert_records_equal, counting_ops, train
+from helpers import (
+    assert_equal,
+    assert_records_equal,
+    assert_save_and_resume_exact,
+    counting_ops,
+    train,
+)
 
 
 def _grads(*tensors: torch.Tensor) -> list[torch.Tensor | None]:
@@ -542,6 +548,40 @@ def test_batchnorm_blocks_train_exactly_guarded_or_undone(momentum: float | None
         remat.checkpoint_wrapper(block)
     batches = [(torch.randn(8, 4), torch.randn(8, 4)) for _ in range(4)]
     assert_records_equal(train(model, batches, F.mse_loss), train(wrapped, batches, F.mse_loss))
+
+
+def test_batchnorm_blocks_in_a_users_loop_with_save_and_resume(tmp_path: Any) -> None:
+    """AdamW, clip_grad_norm_, a save after two steps and a resumed third, on BatchNorm blocks
+    whose later recomputes undo their writes: bit-equal to three plain steps."""
+
+    def build(wrapped: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(_batchnorm_block(), _batchnorm_block())
+        for block in model if wrapped else ():
+            remat.checkpoint_wrapper(block)
+        return model
+
+    x = torch.randn(8, 4)
+    model = build(True)
+    undone: list[int] = []
+    original = remat._guard.Undo.close
+
+    def close(self: Any) -> None:
+        undone.append(1)
+        original(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(remat._guard.Undo, "close", close)
+        assert_save_and_resume_exact(
+            model,
+            build(False),
+            lambda: build(True),
+            lambda m: m(x).square().mean(),
+            tmp_path,
+        )
+    # Each block's first recompute is guarded: the model's second step undoes both blocks'
+    # writes; the resumed model (new blocks) runs one step, guarded.
+    assert len(undone) == 2
 
 
 def test_batchnorm_without_momentum_reads_its_count_back_and_stays_guarded() -> None:
