@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import remat
 from remat import _state
 from remat.bench.measure import peak_step_bytes
-from remat.planning.apply import apply_segment, undo_segment
+from remat.planning.apply import Linked, LinkedForward, apply_segment, undo_segment
 
 from helpers import assert_records_equal, assert_save_and_resume_exact, counting_ops, train
 
@@ -255,7 +256,7 @@ def test_a_plan_with_segments_in_a_users_loop_with_save_and_resume(tmp_path: Any
     )
 
 
-# -- segments of an nn.Sequential (NOTE [ Segments of an nn.Sequential ] in apply.py) -----------
+# -- segments on the region engine (NOTE [ Segments on the region engine ] in apply.py) ---------
 
 
 class _Spy(nn.Module):
@@ -273,13 +274,38 @@ class _Spy(nn.Module):
         return x
 
 
-def _spied_sequential() -> nn.Sequential:
+class _Looped(nn.Module):
+    """Blocks in an nn.ModuleList that the model's own forward loops over, as a GPT's are;
+    ``scale`` multiplies the output of the blocks it names, between blocks."""
+
+    def __init__(self, n: int = 4, scale: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(_Block(), _Spy()) for _ in range(n))
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i in self.scale:
+                x = x * 0.5
+        return x
+
+
+def _spied(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Sequential(_Block(), _Spy()) for _ in range(4))).train()
+    if kind == "sequential":
+        return nn.Sequential(*(nn.Sequential(_Block(), _Spy()) for _ in range(4))).train()
+    return _Looped().train()
 
 
-def _spy(model: nn.Module) -> _Spy:
-    spy = model.get_submodule("2.1")
+def _paths(model: nn.Module) -> list[str]:
+    prefix = "blocks." if isinstance(model, _Looped) else ""
+    return [f"{prefix}{k}" for k in (1, 2, 3)]
+
+
+def _spy(model: nn.Module, k: int = 2) -> _Spy:
+    prefix = "blocks." if isinstance(model, _Looped) else ""
+    spy = model.get_submodule(f"{prefix}{k}.1")
     assert isinstance(spy, _Spy)
     return spy
 
@@ -288,19 +314,28 @@ def _step(model: nn.Module, x: torch.Tensor) -> None:
     model(x).square().mean().backward()  # type: ignore[no-untyped-call]
 
 
-def test_segment_of_an_nn_sequential_runs_on_the_region_engine() -> None:
-    model = _spied_sequential()
+@pytest.mark.parametrize("kind", ["sequential", "looped"])
+def test_a_linked_segment_runs_on_the_region_engine(kind: str) -> None:
+    """An nn.Sequential, or a model's own loop over an nn.ModuleList: the segment's forward
+    runs with no dispatch mode, its blocks are recomputed once per backward, it keeps its
+    input alone, and training is bit-exact."""
+    model = _spied(kind)
     segmented = copy.deepcopy(model)
-    apply_segment(segmented, ["1", "2", "3"])
+    assert isinstance(apply_segment(segmented, _paths(model), linked=True), Linked)
     x = torch.randn(32, 64)
     _step(segmented, x)
     _step(segmented, x)
     # Forward with no dispatch mode (the graph engine records under one), then one recompute,
     # the first one under the write guard (see NOTE [ When the guard runs ] in _guard.py).
-    assert _spy(segmented).seen == [(0, False), (1, True), (0, False), (0, True)]
+    for k in (1, 2):
+        assert _spy(segmented, k).seen == [(0, False), (1, True), (0, False), (0, True)]
+    # Block 0 is outside the segment; the recompute stops before block 3's spy, after the
+    # last tensor backward needs (early stop).
+    for k in (0, 3):
+        assert _spy(segmented, k).seen == [(0, False), (0, False)]
     batches = [(x, torch.randn(32, 64)) for _ in range(2)]
     assert_records_equal(train(model, batches, _loss), train(segmented, batches, _loss))
-    # Held after forward: the segment's input (and generator state), not its activations.
+    # Held after forward: the segment's input (and generator states), not its activations.
     from remat.planning.cost import measure_memory
 
     cpu, inputs = torch.device("cpu"), ((x.requires_grad_(),), {})
@@ -309,12 +344,12 @@ def test_segment_of_an_nn_sequential_runs_on_the_region_engine() -> None:
     assert plain_kept - 3 * block_kept < segment_kept < plain_kept - 2 * block_kept
 
 
-def test_blocks_of_a_segmented_nn_sequential_called_one_by_one_follow_the_plan() -> None:
-    """Code that loops over the children calls the blocks without the parent's forward: the
-    graph-engine hooks run the segment then, and it stays exact."""
-    model = _spied_sequential()
+def test_blocks_of_a_linked_segment_called_by_other_code_follow_the_plan() -> None:
+    """Code that loops over an nn.Sequential's children calls the blocks without its forward:
+    the segment links them all the same."""
+    model = _spied("sequential")
     segmented = copy.deepcopy(model)
-    apply_segment(segmented, ["1", "2", "3"])
+    apply_segment(segmented, ["1", "2", "3"], linked=True)
 
     def by_hand(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         for child in m.children():
@@ -323,75 +358,122 @@ def test_blocks_of_a_segmented_nn_sequential_called_one_by_one_follow_the_plan()
 
     x = torch.randn(32, 64)
     by_hand(segmented, x).square().mean().backward()
-    modes, recomputing = zip(*_spy(segmented).seen, strict=True)
-    assert modes[0] == 1 and not recomputing[0]  # recorded by the graph engine
+    assert _spy(segmented).seen == [(0, False), (1, True)]
     for m in (model, segmented):
         m.forward = functools.partial(by_hand, m)  # type: ignore[method-assign]
     batches = [(x, torch.randn(32, 64)) for _ in range(2)]
     assert_records_equal(train(model, batches, _loss), train(segmented, batches, _loss))
 
 
-def test_a_deep_copy_of_a_segmented_nn_sequential_follows_its_plan_and_undo_restores() -> None:
-    model = _spied_sequential()
-    apply_segment(model, ["1", "2", "3"])
+def test_a_deep_copy_of_a_linked_segment_follows_its_plan_and_undo_restores() -> None:
+    model = _spied("looped")
+    apply_segment(model, _paths(model), linked=True)
     copied = copy.deepcopy(model)
+    first = copied.get_submodule("blocks.1").forward
+    assert isinstance(first, LinkedForward)
+    assert first.chain is not model.get_submodule("blocks.1").forward.chain  # type: ignore[union-attr]
     x = torch.randn(32, 64)
     _step(copied, x)
     assert _spy(copied).seen == [(0, False), (1, True)] and not _spy(model).seen
-    undo_segment(copied, ["1", "2", "3"])
-    assert "forward" not in copied.__dict__
+    undo_segment(copied, _paths(copied))
+    assert all("forward" not in copied.get_submodule(p).__dict__ for p in _paths(copied))
     _spy(copied).seen.clear()
     _step(copied, x)
     assert _spy(copied).seen == [(0, False)]  # a plain step
 
 
-def test_an_nn_sequential_with_its_own_forward_keeps_the_graph_engine() -> None:
-    class Scaled(nn.Sequential):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            for module in self:
-                x = module(x) * 0.5
-            return x
-
+def test_a_block_whose_input_is_changed_between_blocks_keeps_it_and_warns_once() -> None:
+    """The model scales block 1's output before block 2: block 2 cannot link, starts a new
+    region and keeps its input; one warning, exact training."""
     torch.manual_seed(0)
-    model = Scaled(*(nn.Sequential(_Block(), _Spy()) for _ in range(4))).train()
+    model = _Looped(scale=(1,)).train()
     segmented = copy.deepcopy(model)
-    apply_segment(segmented, ["1", "2", "3"])
-    assert "forward" not in segmented.__dict__
+    chain = apply_segment(segmented, _paths(model), linked=True)
+    assert isinstance(chain, Linked)
     x = torch.randn(32, 64)
-    _step(segmented, x)
-    assert _spy(segmented).seen[0] == (1, False)
+    with pytest.warns(UserWarning, match=r"block blocks\.2 of the plan's segment") as caught:
+        _step(segmented, x)
+        _step(segmented, x)
+    assert len(caught) == 1 and chain.calls.broken == 2
+    # Blocks 2 and 3 still form one region: block 2 is recomputed once, with block 3.
+    assert _spy(segmented, 2).seen == [(0, False), (1, True), (0, False), (0, True)]
     batches = [(x, torch.randn(32, 64)) for _ in range(2)]
-    assert_records_equal(train(model, batches, _loss), train(segmented, batches, _loss))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once already
+        assert_records_equal(train(model, batches, _loss), train(segmented, batches, _loss))
 
 
-def test_planned_segments_stay_inside_their_nn_sequential() -> None:
-    """Two nn.Sequential of the same blocks: a segment crossing from one to the other would run
-    on the graph engine, not on the region engine it was measured on, so none does."""
+def test_a_forward_hook_that_replaces_a_blocks_output_breaks_the_link() -> None:
+    """The segment runs each block's class forward; a forward hook of the model's own runs
+    around it and may replace the output: the next block does not link, and stays exact."""
+    torch.manual_seed(0)
+    model = _Looped().train()
+    segmented = copy.deepcopy(model)
+    for m in (model, segmented):
+        m.get_submodule("blocks.1").register_forward_hook(lambda mod, a, out: out * 1.0)
+    chain = apply_segment(segmented, _paths(model), linked=True)
+    assert isinstance(chain, Linked)
+    x = torch.randn(32, 64)
+    batches = [(x, torch.randn(32, 64)) for _ in range(2)]
+    with pytest.warns(UserWarning, match=r"block blocks\.2"):
+        assert_records_equal(train(model, batches, _loss), train(segmented, batches, _loss))
+    assert chain.calls.broken == 2
+
+
+def test_the_profile_finds_which_blocks_link() -> None:
+    """Linked blocks' segments are measured on the region engine; a block whose input the
+    model changes starts a new run, and no segment crosses into it."""
+    from remat.planning._plan import segments
     from remat.planning.planner import _smallest, profile_model, solve
     from remat.workloads.mlp import MLPBlock
 
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(MLPBlock(128, 0.1) for _ in range(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i, layer in enumerate(self.layers):
+                x = layer(x)
+                if i == 2:
+                    x = x * 0.5
+            return x
+
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Sequential(*(MLPBlock(128, 0.1) for _ in range(3))),
-        nn.Sequential(*(MLPBlock(128, 0.1) for _ in range(3))),
-    ).train()
+    model = Model().train()
     x, target = torch.randn(128, 128), torch.randn(128, 128)
-    profiled = profile_model(model, x, lambda o: _loss(o, target), blocks=MLPBlock, repeats=0)
-    assert profiled.groups == ["0"] * 3 + ["1"] * 3
-    # Blocks 1 to 5 are of one type (block 0's input needs no gradient): segments of up to
-    # five blocks are measured, but the chain offers none across the two nn.Sequential.
-    assert max(o.span for o in profiled.options[profiled.types[1]]) == 5
+    profiled = profile_model(model, x, lambda o: _loss(o, target), repeats=0)
+    assert profiled.groups[1:] == ["layers.0"] * 2 + ["layers.3"] * 3
+    segment_options = [o for o in profiled.options[profiled.types[1]] if o.kind == "segment"]
+    assert segment_options and all(o.linked for o in segment_options)
     assert all(i + o.span <= 3 for i in range(3) for o in profiled.chain[i])
     plan = solve(profiled, _smallest(profiled.costs, profiled.chain))
-    from remat.planning._plan import segments
-
     found = segments(plan.blocks)
     assert found, plan.summary()
-    assert all(len({p.split(".")[0] for p in paths}) == 1 for paths in found), found
     planned = plan.apply(copy.deepcopy(model))
-    measured = _peak(planned, x, target)
+    assert all(
+        isinstance(planned.get_submodule(p).forward, LinkedForward) for s in found for p in s
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every link holds
+        measured = _peak(planned, x, target)
     assert abs(measured - plan.predicted_peak) <= 0.03 * measured, plan.summary()
     assert_records_equal(
         train(copy.deepcopy(model), [(x, target)] * 2, _loss),
         train(planned, [(x, target)] * 2, _loss),
     )
+
+
+def test_segments_of_blocks_that_do_not_link_stay_on_the_graph_engine() -> None:
+    """Each block's output is scaled before the next block: no block links, so segments are
+    measured and applied on the graph engine, which records what runs between blocks."""
+    from remat.planning.planner import profile_model
+
+    torch.manual_seed(0)
+    model = _Looped(n=4, scale=(0, 1, 2, 3)).train()
+    x = torch.randn(32, 64)
+    profiled = profile_model(model, x, lambda o: o.square().mean(), repeats=0)
+    assert profiled.groups == [""] * 4
+    # Block 0's input needs no gradient: blocks 1 to 3 are the type with segments.
+    segment_options = [o for o in profiled.options[profiled.types[1]] if o.kind == "segment"]
+    assert segment_options and not any(o.linked for o in segment_options)

@@ -38,6 +38,28 @@ Rule 1. A tensor is managed by the innermost region that is active when it is sa
 Rule 2. A region's inputs are saved, through ``_SaveInputs``, by the region around it; so
         rebuilding an inner region's inputs recomputes the outer region first.
 Rule 3. A recompute starts as if no region were active; regions it meets are honoured.
+
+NOTE [ Linked calls ]
+
+A model that loops over its blocks (``for block in self.layers: x = block(x)``) has no one
+function that runs several blocks, so ``checkpoint_sequential`` cannot take them, and a region
+per block saves every block's input. :class:`LinkedCalls` makes consecutive calls one region,
+one frame with one ``_Call`` per call, as long as each call's input is the previous call's
+output. A call links to the previous one when one of its tensor arguments *is* a leaf of the
+previous call's output (the same object) at the version it had when that call returned: then
+nothing the caller did in between changed it, and re-running the previous call rebuilds it.
+Such an argument is not saved; every other argument is, as a region saves its inputs. The
+recompute runs the calls in order, each under the state its own forward pass saw (random
+generators, autocast), and feeds each linked argument from the previous call's recomputed
+output. So a frame of k calls saves its first call's input alone and recomputes all k calls
+once per backward, as a ``checkpoint_sequential`` segment does.
+
+A call that does not link (its input was changed in place, replaced by a forward hook, or
+computed by the caller from the output) starts a new frame and saves its input: exact, with
+more memory. Ops the caller runs between calls run outside the frame, their saved tensors
+kept. The frame is reached weakly between calls, so an open frame whose graph is gone keeps
+nothing alive; under ``torch.no_grad()``, ``disable_checkpointing()`` or ``torch.compile``
+the calls run plainly and break the chain.
 """
 
 from __future__ import annotations
@@ -73,7 +95,7 @@ from .policies import Policy
 from .policies import check as check_policy
 from .store.scope import offload_hooks
 
-__all__ = ["RegionOptions", "checkpoint"]
+__all__ = ["LinkedCalls", "RegionOptions", "checkpoint"]
 
 DeterminismCheck = Literal["default", "none"]
 _DETERMINISM_CHECKS = ("default", "none")
@@ -132,9 +154,9 @@ class _SaveInputs(torch.autograd.Function):
 class _OpLog(EagerMode):
     """Records the operators a run executes, for ``debug=True``."""
 
-    def __init__(self) -> None:
+    def __init__(self, ops: list[str] | None = None) -> None:
         super().__init__()
-        self.ops: list[str] = []
+        self.ops: list[str] = [] if ops is None else ops
         self.paused = False
 
     def __torch_dispatch__(
@@ -158,12 +180,21 @@ class _OpLog(EagerMode):
             self.paused = False
 
 
-class _Frame:
-    """One forward run of one region, and what its recomputes rebuilt.
+class _Call:
+    """One call of a function inside a frame: what its recompute needs to run it again."""
 
-    Held by the graph only (through the hooks stored with each slot), so it lives exactly as
-    long as the part of the graph that may still need it.
-    """
+    __slots__ = (
+        "ambient",
+        "args",
+        "function",
+        "input_node",
+        "keys",
+        "kwargs",
+        "links",
+        "tensor_args",
+        "undoable",
+        "wrote",
+    )
 
     def __init__(
         self,
@@ -171,10 +202,7 @@ class _Frame:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         ambient: Ambient,
-        recompute_context: contextlib.AbstractContextManager[Any],
-        early_stop: bool,
-        check: bool,
-        debug: bool,
+        links: dict[int | str, int] | None = None,
     ) -> None:
         self.function = function
         # The arguments with their tensors replaced by None: the tensors live in `input_node`,
@@ -183,17 +211,13 @@ class _Frame:
         self.args = tuple(None if isinstance(v, torch.Tensor) else v for v in args)
         self.kwargs = {k: None if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         self.ambient = ambient
-        self.recompute_context = recompute_context
-        self.early_stop = early_stop
-        self.check = check
+        # Arguments that are the previous call's output (see [ Linked calls ]): argument key ->
+        # index of that tensor among the leaves of the previous call's output. Not saved.
+        self.links = links or {}
         self.tensor_args: set[int | str] = {
-            i for i, v in enumerate(args) if isinstance(v, torch.Tensor)
-        } | {k for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+            i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and i not in self.links
+        } | {k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in self.links}
         self.input_node: Any = None
-        self.slots: list[weakref.ref[_Slot]] = []
-        self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
-        self.recomputed: dict[int, weakref.WeakKeyDictionary[_Slot, torch.Tensor]] = {}
-        self.forward_ops: list[str] | None = [] if debug else None
         # Whether the forward pass wrote a tensor it can reach, and whether the recompute may
         # write and undo instead of running guarded: see [ When the guard runs ] and
         # [ Writes undone ] in _guard.py.
@@ -201,7 +225,95 @@ class _Frame:
         self.undoable = False
         self.keys = identities(function, args)
 
+    def inputs(self, previous: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments of a recompute; ``previous``: the leaves of the previous call's
+        recomputed output."""
+        saved = iter(self.input_node.saved_tensors)
+
+        def value(key: int | str, v: Any) -> Any:
+            if key in self.links:
+                index = self.links[key]
+                t = previous[index] if index < len(previous) else None
+                if not isinstance(t, torch.Tensor):
+                    raise CheckpointError(
+                        f"remat: the recompute of linked calls differs from their forward pass: "
+                        f"the previous call's output has no tensor at leaf {index} this time. "
+                        + _USUAL_CAUSES
+                    )
+                return t
+            return next(saved) if key in self.tensor_args else v
+
+        args = tuple(value(i, v) for i, v in enumerate(self.args))
+        kwargs = {k: value(k, v) for k, v in self.kwargs.items()}
+        return args, kwargs
+
+
+class _Frame:
+    """One forward run of one region (one call, or linked calls), and what its recomputes
+    rebuilt.
+
+    Held by the graph only (through the hooks stored with each slot), so it lives exactly as
+    long as the part of the graph that may still need it.
+    """
+
+    def __init__(
+        self,
+        recompute_context: contextlib.AbstractContextManager[Any],
+        early_stop: bool,
+        check: bool,
+        debug: bool,
+    ) -> None:
+        self.calls: list[_Call] = []
+        self.recompute_context = recompute_context
+        self.early_stop = early_stop
+        self.check = check
+        self.slots: list[weakref.ref[_Slot]] = []
+        self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+        self.recomputed: dict[int, weakref.WeakKeyDictionary[_Slot, torch.Tensor]] = {}
+        self.forward_ops: list[str] | None = [] if debug else None
+
     # -- forward ---------------------------------------------------------------------------
+
+    def run(
+        self,
+        call: _Call,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        forward_context: contextlib.AbstractContextManager[Any],
+        offload_inputs: bool,
+    ) -> Any:
+        """Run ``call`` forward as part of this frame: save its inputs (all but its links)
+        through autograd, and put a slot in place of everything it saves."""
+        items: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+        tensors = [v for k, v in items if isinstance(v, torch.Tensor) and k not in call.links]
+        # Tensors inside containers stay in their containers (the same objects in the
+        # recompute), but are saved too, so that autograd's version check catches in-place
+        # changes to them.
+        nested = [
+            v
+            for v in pytree.tree_leaves(
+                [a for a in (*args, *kwargs.values()) if not isinstance(a, torch.Tensor)]
+            )
+            if isinstance(v, torch.Tensor)
+        ]
+        call.input_node = save_inputs([*tensors, *nested], offload_inputs)
+        self.calls.append(call)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
+            stack.enter_context(_state.checkpointing())
+            stack.enter_context(forward_context)
+            if self.forward_ops is not None:
+                stack.enter_context(_OpLog(self.forward_ops))
+            # Inside a recompute, a guard around this forward pass may hide its writes from the
+            # version counters: then its own recompute is guarded too.
+            reach = Reachable(call.function, args, kwargs) if not _state.state.recomputing else None
+            out = call.function(*args, **kwargs)
+        if reach is not None:
+            written = reach.changed()
+            call.wrote = bool(written)
+            call.undoable = call.wrote and undoable(written, [*tensors, *nested])
+        call.ambient.check_forward_done()
+        return out
 
     def pack(self, t: torch.Tensor) -> _Slot:
         slot = _Slot(len(self.slots))
@@ -238,19 +350,12 @@ class _Frame:
     def _forget(self, task: int) -> None:
         self.recomputed.pop(task, None)
 
-    def _inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        saved = iter(self.input_node.saved_tensors)
-        args = tuple(next(saved) if i in self.tensor_args else v for i, v in enumerate(self.args))
-        kwargs = {k: next(saved) if k in self.tensor_args else v for k, v in self.kwargs.items()}
-        return args, kwargs
-
     def _recompute(self, task: int) -> weakref.WeakKeyDictionary[_Slot, torch.Tensor]:
         store: weakref.WeakKeyDictionary[_Slot, torch.Tensor] = weakref.WeakKeyDictionary()
         alive = [i for i, ref in enumerate(self.slots) if ref() is not None]
         if not alive:
             return store
         last_needed = alive[-1] if self.early_stop else len(self.slots) - 1
-        args, kwargs = self._inputs()
         count = 0
         mismatches: list[str] = []
 
@@ -275,24 +380,54 @@ class _Frame:
             return detached
 
         log = _OpLog() if self.forward_ops is not None else None
+        previous: list[Any] = []
+        try:
+            for call in self.calls:
+                args, kwargs = call.inputs(previous)
+                out, stopped = self._replay(call, args, kwargs, pack, log)
+                if stopped:
+                    break
+                # The next call's links point into this output ([ Linked calls ]).
+                previous = pytree.tree_leaves(out) if len(self.calls) > 1 else []
+        except Exception as error:
+            if mismatches:
+                raise CheckpointError(self._mismatch_message(mismatches, count, log)) from error
+            raise
+        if mismatches or count < last_needed + 1:
+            raise CheckpointError(self._mismatch_message(mismatches, count, log))
+        self.recomputed[task] = store
+        return store
+
+    def _replay(
+        self,
+        call: _Call,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        pack: Callable[[torch.Tensor], torch.Tensor],
+        log: _OpLog | None,
+    ) -> tuple[Any, bool]:
+        """Run one call again under the state its forward pass saw; its output, and whether
+        the pack hook stopped it early."""
         # See NOTES [ When the guard runs ] and [ Writes undone ] in _guard.py.
         reach: Reachable | None = None
         undo: Undo | None = None
         guard: WriteGuard | None = None
         state: list[torch.Tensor] | None = None
-        if self.wrote:
-            if self.undoable:
-                reach = Reachable(self.function, args, kwargs)
+        if call.wrote:
+            if call.undoable:
+                reach = Reachable(call.function, args, kwargs)
                 state = undo_state(reach, _tensors(args, kwargs))
-            if state is not None and may_undo(self.keys):
+            if state is not None and may_undo(call.keys):
                 undo = Undo(state)
             else:
                 reach, guard = None, WriteGuard(state)
-        elif needs_guard(self.keys):
+        elif needs_guard(call.keys):
             guard = WriteGuard([])
         else:
-            reach = Reachable(self.function, args, kwargs)
+            reach = Reachable(call.function, args, kwargs)
         changed: list[torch.Tensor] = []
+        out: Any = None
+        stopped = False
         try:
             with contextlib.ExitStack() as stack:
                 if undo is not None:
@@ -302,23 +437,19 @@ class _Frame:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(_state.recomputing())
-                stack.enter_context(self.ambient.replay())
+                stack.enter_context(call.ambient.replay())
                 if guard is not None:
                     stack.enter_context(guard)
                 stack.enter_context(self.recompute_context)
                 if log is not None:
                     stack.enter_context(log)
-                self.function(*args, **kwargs)
+                out = call.function(*args, **kwargs)
         except _StopRecompute:
-            pass
-        except Exception as error:
-            if mismatches:
-                raise CheckpointError(self._mismatch_message(mismatches, count, log)) from error
-            raise
-        if guard is not None and not self.wrote:
-            verified(self.keys, guard.redirected > 0)
+            stopped = True
+        if guard is not None and not call.wrote:
+            verified(call.keys, guard.redirected > 0)
         elif guard is not None and state is not None:
-            learned_undo(self.keys, guard)
+            learned_undo(call.keys, guard)
         undone = {id(t) for t in undo.tensors} if undo is not None else set()
         if any(id(t) not in undone for t in changed):
             raise CheckpointError(
@@ -326,10 +457,7 @@ class _Frame:
                 "(a parameter, buffer or input), which its forward pass did not write. "
                 + _USUAL_CAUSES
             )
-        if mismatches or count < last_needed + 1:
-            raise CheckpointError(self._mismatch_message(mismatches, count, log))
-        self.recomputed[task] = store
-        return store
+        return out, stopped
 
     def _mismatch_message(self, mismatches: list[str], count: int, log: _OpLog | None) -> str:
         lines = ["remat: the recompute of a checkpointed region differs from its forward pass."]
@@ -574,46 +702,89 @@ def run_region(
         if options.context_fn is not None
         else (contextlib.nullcontext(), contextlib.nullcontext())
     )
-    ambient = Ambient.capture(options.preserve_rng_state)
     frame = _Frame(
-        function,
-        args,
-        kwargs,
-        ambient,
         recompute_context,
         early_stop=options.early_stop,
         check=options.determinism_check == "default",
         debug=options.debug,
     )
-    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    # Tensors inside containers stay in their containers (the same objects in the recompute),
-    # but are saved too, so that autograd's version check catches in-place changes to them.
-    nested = [
-        v
-        for v in pytree.tree_leaves(
-            [a for a in (*args, *kwargs.values()) if not isinstance(a, torch.Tensor)]
-        )
-        if isinstance(v, torch.Tensor)
-    ]
-    frame.input_node = save_inputs([*tensors, *nested], offload_inputs)
+    call = _Call(function, args, kwargs, Ambient.capture(options.preserve_rng_state))
+    return frame.run(call, args, kwargs, forward_context, offload_inputs)
 
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack))
-        stack.enter_context(_state.checkpointing())
-        stack.enter_context(forward_context)
-        if frame.forward_ops is not None:
-            log = stack.enter_context(_OpLog())
-            frame.forward_ops = log.ops
-        # Inside a recompute, a guard around this forward pass may hide its writes from the
-        # version counters: then its own recompute is guarded too.
-        reach = Reachable(function, args, kwargs) if not _state.state.recomputing else None
-        out = function(*args, **kwargs)
-    if reach is not None:
-        written = reach.changed()
-        frame.wrote = bool(written)
-        frame.undoable = frame.wrote and undoable(written, [*tensors, *nested])
-    ambient.check_forward_done()
-    return out
+
+class LinkedCalls:
+    """Consecutive calls of functions run as one region while each call's input is the previous
+    call's output (see NOTE [ Linked calls ]).
+
+    ``run(position, function, *args)`` runs the call at ``position`` (0 for the first of a
+    chain); the call at ``position + 1`` links to it if it takes its output, and the chain ends
+    after a call with ``last=True``. ``broken`` counts calls after the first that could not
+    link and started a new region.
+    """
+
+    def __init__(self, options: RegionOptions | None = None) -> None:
+        options = options or RegionOptions()
+        if options.context_fn is not None or options.policy is not None:
+            raise RematError(
+                "remat: linked calls run on the region engine with one recompute context per "
+                "chain; context_fn and policy are not supported. Drop them."
+            )
+        self.options = options
+        self.broken = 0
+        self._frame: weakref.ref[_Frame] | None = None
+        self._position = -1
+        self._outputs: list[weakref.ref[torch.Tensor] | None] = []
+        self._versions: list[int] = []
+
+    def run(
+        self,
+        position: int,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        last: bool = False,
+    ) -> Any:
+        """Call ``function(*args, **kwargs)`` as the ``position``-th call of a chain."""
+        frame = self._frame() if self._frame is not None else None
+        follows = frame is not None and position == self._position + 1
+        links = self._links(args, kwargs) if follows else {}
+        self._frame, self._position, self._outputs, self._versions = None, -1, [], []
+        if not torch.is_grad_enabled() or _state.state.disabled or torch.compiler.is_compiling():
+            return function(*args, **kwargs)
+        if position > 0 and not links:
+            self.broken += 1
+        if frame is None or not links:
+            frame = _Frame(
+                contextlib.nullcontext(),
+                early_stop=self.options.early_stop,
+                check=self.options.determinism_check == "default",
+                debug=self.options.debug,
+            )
+        ambient = Ambient.capture(self.options.preserve_rng_state)
+        call = _Call(function, args, kwargs, ambient, links)
+        out = frame.run(call, args, kwargs, contextlib.nullcontext(), offload_inputs=False)
+        if not last:
+            leaves = pytree.tree_leaves(out)
+            self._frame, self._position = weakref.ref(frame), position
+            tensors = [v if isinstance(v, torch.Tensor) else None for v in leaves]
+            self._outputs = [weakref.ref(v) if v is not None else None for v in tensors]
+            self._versions = [v._version if v is not None else 0 for v in tensors]
+        return out
+
+    def _links(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int | str, int]:
+        """The arguments that are a leaf of the previous call's output, unchanged since."""
+        outputs = [ref() if ref is not None else None for ref in self._outputs]
+        index = {id(t): i for i, t in enumerate(outputs) if t is not None}
+        links: dict[int | str, int] = {}
+        items: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+        for key, v in items:
+            i = index.get(id(v)) if isinstance(v, torch.Tensor) else None
+            if i is not None and v._version == self._versions[i]:
+                links[key] = i
+        return links
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LinkedCalls:
+        return LinkedCalls(self.options)  # a copy shares no open chain
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

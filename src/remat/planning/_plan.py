@@ -55,6 +55,9 @@ class Option:
     # Bytes that blocks before it offloaded and that come back while its backward runs, read
     # ahead (``Store.prefetch``); a bound, from the block's own offloaded tensors.
     ahead: int = 0
+    # A segment on the region engine, its blocks' calls linked (see [ Segments on the region
+    # engine ] in ``apply.py``); else a segment runs on the graph engine.
+    linked: bool = False
 
     @property
     def offloads(self) -> bool:
@@ -106,7 +109,8 @@ class Plan:
         self.policies = []
         first = {b["path"]: b for b in self.blocks}
         for paths in segments(self.blocks):
-            apply_segment(model, paths, self.option(first[paths[0]]).tier)
+            o = self.option(first[paths[0]])
+            apply_segment(model, paths, o.tier, o.linked)
         for block in self.blocks:
             o = self.option(block)
             if o.kind == "segment":

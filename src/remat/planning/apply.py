@@ -18,7 +18,9 @@ prediction.
 NOTE [ Segments on the model ]
 
 A segment (blocks ``first`` to ``last``, see [ Segments ] in ``solve.py``) has no one function
-to re-run: the parent's forward calls its blocks one by one. It is a graph-engine region with
+to re-run: the parent's forward calls its blocks one by one. Where each block takes the
+previous block's output, it runs on the region engine (see [ Segments on the region engine ]).
+Otherwise it is a graph-engine region with
 ``recompute_everything`` opened by a forward pre-hook on its first block and closed by a forward
 hook on its last: the engine records every ATen op in between (the blocks and whatever the
 parent runs between them) and keeps only what enters the segment from outside, so backward
@@ -30,28 +32,30 @@ parent raises between blocks). A forward that begins while one is open (a stale 
 it first. Under ``torch.no_grad()``, ``remat.disable_checkpointing()`` or ``torch.compile`` the
 blocks run plainly.
 
-NOTE [ Segments of an nn.Sequential ]
+NOTE [ Segments on the region engine ]
 
 Recording every op costs the graph engine Python per op that the region engine does not pay
-(2-3% of a step at the medium sizes of ``remat bench``). Where there is a function to re-run,
-the region engine can run the segment: when the blocks are consecutive children of an
-``nn.Sequential`` whose class keeps ``nn.Sequential.forward``, that forward feeds each child's
-output to the next child and does nothing else, so re-running the blocks one after another is
-the segment's forward. :class:`SequentialSegments` then replaces the parent's ``forward`` (an
-instance attribute, as ``checkpoint_wrapper`` sets one) by one that calls each segment's blocks
-inside one region-engine region, as ``checkpoint_sequential`` does. The graph-engine hooks stay
-on the blocks for code that calls them without the parent (a loop over the ``nn.Sequential``'s
-children): inside the parent's region they stand aside (``Segment.bypass``), outside it they
-record as above, so the plan is followed either way. A segment whose input waits in a tier
-stays on the graph engine.
+(2-3% of a step at the medium sizes of ``remat bench``). Where each block of a segment takes
+the previous block's output as it is (an ``nn.Sequential``, or a model's own loop
+``for block in self.layers: x = block(x)``, as the profile saw), the segment runs on the region
+engine instead: each block's ``forward`` becomes a :class:`LinkedForward` (an instance
+attribute, as ``checkpoint_wrapper`` sets one) that runs it as one call of the segment's
+:class:`~remat.checkpoint.LinkedCalls`, so the blocks form one region that saves the first
+block's input alone (NOTE [ Linked calls ] in ``checkpoint.py``). Whoever calls the blocks
+(the parent, or code looping over them), the plan is followed. A block whose input is not the
+previous block's output at run time starts a new region and keeps its input: exact, more
+memory than planned, and a warning says so once. A segment whose input waits in a tier stays
+on the graph engine.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import copy
 import sys
+import types
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -59,14 +63,15 @@ import torch
 from torch import nn
 
 from .. import _state
-from ..checkpoint import RegionOptions, run_region
+from ..checkpoint import LinkedCalls
+from ..errors import RematError
 from ..modules import checkpoint_wrapper, is_wrapped
 from ..policies import Decision, OpContext, recompute_everything
 from ..store import offload
 from ..store.scope import _NAMES
-from .profile import KeyCounter, plain_sequential
+from .profile import KeyCounter
 
-__all__ = ["PlanPolicy", "Segment"]
+__all__ = ["Linked", "LinkedForward", "PlanPolicy", "Segment"]
 
 OFFLOADS: tuple[str, ...] = _NAMES  # the tiers a decision or an option may name
 
@@ -205,16 +210,10 @@ class Segment:
         self.tier = tier  # the segment's input goes to this tier (``remat.offload``)
         self._open: contextlib.ExitStack | None = None
         self._error: BaseException | None = None  # the error being handled when it opened
-        self.bypass = 0  # > 0 while the region engine runs the blocks ([ Segments of an ...])
 
     def enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self.close()
-        if (
-            self.bypass
-            or not torch.is_grad_enabled()
-            or _state.state.disabled
-            or torch.compiler.is_compiling()
-        ):
+        if not torch.is_grad_enabled() or _state.state.disabled or torch.compiler.is_compiling():
             return
         from ..graph import recording
 
@@ -241,23 +240,31 @@ class Segment:
             stack.close()
 
 
-def apply_segment(root: nn.Module, paths: list[str], tier: str | None = None) -> Segment:
-    """Run the blocks at ``paths`` (consecutive, in forward order) of ``root`` as one segment,
-    its input offloaded to ``tier`` if one is given."""
-    segment = Segment(tier)
+def apply_segment(
+    root: nn.Module, paths: list[str], tier: str | None = None, linked: bool = False
+) -> Segment | Linked:
+    """Run the blocks at ``paths`` (consecutive, in forward order) of ``root`` as one segment:
+    on the region engine with ``linked`` (each block takes the previous one's output, see
+    [ Segments on the region engine ]), else on the graph engine, its input offloaded to
+    ``tier`` if one is given."""
     blocks = [root.get_submodule(p) for p in paths]
+    if linked and tier is None:
+        chain = Linked(paths)
+        for position, block in enumerate(blocks):
+            if block.__dict__.get("forward") is not None:
+                raise RematError(
+                    f"remat: block {paths[position]} has an instance-level forward (a wrapper or "
+                    "an assignment); a segment runs the class's forward. Remove it first "
+                    f"(del module.forward) or plan the model without it."
+                )
+            block.forward = LinkedForward(block, chain, position)
+        return chain
+    segment = Segment(tier)
     blocks[0].register_forward_pre_hook(segment.enter, with_kwargs=True)
     for block in blocks[:-1]:
         block.register_forward_hook(segment.exit_on_error, always_call=True)
     blocks[-1].register_forward_hook(segment.exit, always_call=True)
     root.register_forward_hook(segment.exit, always_call=True)
-    parent = sequential_parent(root, paths)
-    if tier is None and parent is not None:
-        segments = parent.__dict__.get("forward")
-        if segments is None:
-            segments = parent.forward = SequentialSegments(parent)  # type: ignore[method-assign]
-        if isinstance(segments, SequentialSegments):
-            segments.runs.append((tuple(blocks), segment))
     return segment
 
 
@@ -269,65 +276,67 @@ def undo_segment(root: nn.Module, paths: list[str]) -> None:
                 k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None), Segment)
             ]:
                 del hooks[key]
-    parent = sequential_parent(root, paths)
-    segments = parent.__dict__.get("forward") if parent is not None else None
-    if isinstance(segments, SequentialSegments):
-        first = root.get_submodule(paths[0])
-        segments.runs = [r for r in segments.runs if r[0][0] is not first]
-        if not segments.runs:
-            del parent.forward  # type: ignore[union-attr]
+        if isinstance(module.__dict__.get("forward"), LinkedForward):
+            del module.forward
 
 
-def sequential_parent(root: nn.Module, paths: list[str]) -> nn.Sequential | None:
-    """The ``nn.Sequential`` whose consecutive children ``paths`` are, if its class keeps
-    ``nn.Sequential.forward`` (see [ Segments of an nn.Sequential ]); ``None`` otherwise."""
-    parents = {p.rpartition(".")[0] for p in paths}
-    if len(parents) != 1:
-        return None
-    parent = root.get_submodule(parents.pop())
-    if not plain_sequential(parent):
-        return None
-    names = list(parent._modules)
-    first = names.index(paths[0].rpartition(".")[2])
-    if names[first : first + len(paths)] != [p.rpartition(".")[2] for p in paths]:
-        return None
-    return parent
+class Linked:
+    """A segment on the region engine: its blocks' calls, linked (see [ Segments on the region
+    engine ])."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = list(paths)
+        self.calls = LinkedCalls()
+        self.warned = False
+
+    def broke(self, position: int) -> None:
+        """The block at ``position`` could not take the previous block's output."""
+        if self.warned:
+            return
+        self.warned = True
+        warnings.warn(
+            f"remat: block {self.paths[position]} of the plan's segment {self.paths[0]}.."
+            f"{self.paths[-1]} did not take the previous block's output as it was (the code "
+            "between them changed or replaced it); it starts a new region and its input is "
+            "kept. Gradients stay exact; memory is above the plan's. Plan again for this "
+            "forward.",
+            stacklevel=3,
+        )
 
 
-class SequentialSegments:
-    """``nn.Sequential.forward`` with segments run by the region engine (see [ Segments of an
-    nn.Sequential ]): ``runs`` holds each segment's blocks and their graph-engine
-    :class:`Segment` (objects, not ids, so that a deep copy of the model follows its plan)."""
+class LinkedForward:
+    """The instance-level ``forward`` of a block in a :class:`Linked` segment; holds the block
+    weakly, as ``checkpoint_wrapper``'s forward does."""
 
-    def __init__(self, parent: nn.Sequential) -> None:
-        self.parent = parent
-        self.runs: list[tuple[tuple[nn.Module, ...], Segment]] = []
+    __slots__ = ("chain", "module_ref", "position")
 
-    def __call__(self, input: Any) -> Any:
-        modules = list(self.parent._modules.values())
-        i = 0
-        while i < len(modules):
-            run = next((r for r in self.runs if r[0][0] is modules[i]), None)
-            # Modules compare by identity: the segment's blocks, where the plan left them.
-            if run is not None and tuple(modules[i : i + len(run[0])]) == run[0]:
-                function = functools.partial(_run_blocks, run[1], run[0])
-                input = run_region(function, (input,), {}, _REGION)
-                i += len(run[0])
-            else:
-                input = modules[i](input)
-                i += 1
-        return input
+    def __init__(self, module: nn.Module, chain: Linked, position: int) -> None:
+        self.module_ref = weakref.ref(module)
+        self.chain = chain
+        self.position = position
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module_ref()
+        if module is None:
+            raise RematError("remat: the module of this segment's forward was freed.")
+        forward = types.MethodType(type(module).forward, module)
+        calls = self.chain.calls
+        broken = calls.broken
+        last = self.position == len(self.chain.paths) - 1
+        out = calls.run(self.position, forward, args, kwargs, last=last)
+        if calls.broken != broken:
+            self.chain.broke(self.position)
+        return out
 
-_REGION = RegionOptions()
+    def __deepcopy__(self, memo: dict[int, Any]) -> LinkedForward:
+        # copy.deepcopy(model) copies the module before its __dict__, so the copy is in memo.
+        copied = memo.get(id(self.module_ref()))
+        if not isinstance(copied, nn.Module):
+            raise RematError(
+                "remat: a segment's forward can be deep-copied only together with its module; "
+                "deep-copy the model that contains it."
+            )
+        return LinkedForward(copied, copy.deepcopy(self.chain, memo), self.position)
 
-
-def _run_blocks(segment: Segment, blocks: tuple[nn.Module, ...], x: Any) -> Any:
-    """The blocks of a segment one after another, its graph-engine hooks standing aside."""
-    segment.bypass += 1
-    try:
-        for block in blocks:
-            x = block(x)
-        return x
-    finally:
-        segment.bypass -= 1
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (LinkedForward, (self.module_ref(), self.chain, self.position))

@@ -179,17 +179,6 @@ class _Chain(nn.Module):
         return out
 
 
-def _chain_of(block: nn.Module, span: int, sequential: bool) -> tuple[nn.Module, list[str]]:
-    """``span`` copies of ``block`` chained as the model chains them, and their paths: in an
-    ``nn.Sequential`` where the model's blocks sit in one (see [ Segments of an nn.Sequential ]
-    in ``apply.py``), else in a :class:`_Chain`."""
-    if sequential:
-        return nn.Sequential(*(copy.deepcopy(block) for _ in range(span))), [
-            str(k) for k in range(span)
-        ]
-    return _Chain(block, span), [f"blocks.{k}" for k in range(span)]
-
-
 def _chains(block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
     """Whether ``block``'s first output can be its next copy's first argument."""
     args, kwargs = fresh_inputs(inputs)
@@ -209,7 +198,7 @@ def _segments(
     repeats: int,
     per_block: float,
     tiers: dict[str | None, float],
-    sequential: bool = False,
+    linked: bool = False,
 ) -> list[Option]:
     """Segment options of 2 to ``longest`` blocks (see [ Segments ] in ``solve.py``): those of
     two and three blocks measured on chains of copies of ``block`` against plain chains of the
@@ -219,19 +208,21 @@ def _segments(
     bytes are written as the plain blocks' plus the segment's difference from a plain chain.
     ``per_block`` is the op model's extra seconds per block (a forward replayed and recorded),
     the prediction when nothing is timed (``repeats=0``). ``tiers`` maps each tier the
-    segment's input may wait in (``None``: none) to its seconds per byte. ``sequential``: the
-    model's blocks of this type sit in an ``nn.Sequential``, whose segments without a tier run
-    on the region engine, measured so."""
+    segment's input may wait in (``None``: none) to its seconds per byte. ``linked``: the
+    model's blocks of this type take the previous block's output, so its segments without a
+    tier run on the region engine (see [ Segments on the region engine ] in ``apply.py``),
+    measured so."""
     if longest < 2 or not _chains(block, inputs):
         return []
     single = measure_memory(copy.deepcopy(block), inputs, device)
     found: dict[tuple[str | None, int], tuple[float, float, float, float, float]] = {}
     for span in (2, 3)[: longest - 1]:
-        plain, _ = _chain_of(block, span, sequential)
+        plain = _Chain(block, span)
         chain = measure_memory(plain, inputs, device)
+        paths = [f"blocks.{k}" for k in range(span)]
         for tier in tiers:
-            segment, paths = _chain_of(block, span, sequential)
-            apply_segment(segment, paths, tier)
+            segment = _Chain(block, span)
+            apply_segment(segment, paths, tier, linked)
             got = measure_memory(segment, inputs, device)
             found[tier, span] = (
                 float(got.kept - chain.kept + span * single.kept),
@@ -265,6 +256,7 @@ def _segments(
                     source=source,
                     tier=tier,
                     forward=int(forward),
+                    linked=linked and tier is None,
                 )
             )
     return options
@@ -428,7 +420,7 @@ def _options(
     longest: int = 1,
     tiers: Sequence[str] = ("recompute",),
     bandwidths: dict[str, float] | None = None,
-    sequential: bool = False,
+    linked: bool = False,
 ) -> tuple[list[Option], float]:
     """The options of one block type, each measured on a copy of ``block``; the solve time.
     With an offload tier, the bandwidths it reached while the block computed go into
@@ -461,11 +453,9 @@ def _options(
     if recompute:
         # A segment replays each block's forward; the graph engine records it in forward too.
         per_block = profile.forward_seconds + (
-            0.0 if sequential else RECORD_OVERHEAD * len(profile.ops)
+            0.0 if linked else RECORD_OVERHEAD * len(profile.ops)
         )
-        segments = _segments(
-            block, inputs, device, longest, repeats, per_block, per_byte, sequential
-        )
+        segments = _segments(block, inputs, device, longest, repeats, per_block, per_byte, linked)
     _bound(options + segments, block, inputs, profile, device)
     return undominated(options) + segments, solve_seconds
 
@@ -598,8 +588,9 @@ class Profiled:
     profile_seconds: float
     # Bytes per second each offload tier wrote and read while a block computed.
     bandwidths: dict[str, float] = field(default_factory=dict)
-    # Per block, the ``nn.Sequential`` its segments run in on the region engine, or "": a
-    # segment must not leave it, or it would run on the graph engine, not as measured.
+    # Per block, the first block of its run of linked blocks, whose segments run on the region
+    # engine, or "": a segment must not leave its run, or a block in it would keep its input,
+    # not as measured.
     groups: list[str] = field(default_factory=list)
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
@@ -690,8 +681,13 @@ def profile_model(
         bandwidths: dict[str, float] = {}
         solve_seconds = 0.0
         longest = {t: min(n, MAX_SEGMENT) for t, n in _runs(found.types).items()}
-        sequential = {
-            t: all(p in found.sequential for p, u in zip(paths, found.types, strict=True) if u == t)
+        runs = _linked_runs(paths, found.linked)
+        linked = {
+            t: any(
+                p in found.linked and found.types[i - 1] == t
+                for i, (p, u) in enumerate(zip(paths, found.types, strict=True))
+                if u == t and i > 0
+            )
             for t in found.types
         }
         for t in dict.fromkeys(found.types):
@@ -708,7 +704,7 @@ def profile_model(
                 longest[t],
                 chosen_tiers,
                 bandwidths,
-                sequential[t],
+                linked[t],
             )
             solve_seconds += seconds
     return Profiled(
@@ -721,11 +717,17 @@ def profile_model(
         solve_seconds=solve_seconds,
         profile_seconds=time.perf_counter() - started,
         bandwidths=bandwidths,
-        groups=[
-            p.rpartition(".")[0] if sequential[t] else ""
-            for p, t in zip(paths, found.types, strict=True)
-        ],
+        groups=[run if linked[t] else "" for run, t in zip(runs, found.types, strict=True)],
     )
+
+
+def _linked_runs(paths: list[str], linked: set[str]) -> list[str]:
+    """Per block, the first block of its run of linked blocks: a segment on the region engine
+    must not leave its run (see [ Segments on the region engine ] in ``apply.py``)."""
+    runs: list[str] = []
+    for i, p in enumerate(paths):
+        runs.append(runs[-1] if i > 0 and p in linked else p)
+    return runs
 
 
 def solve(profiled: Profiled, budget: Any) -> Plan:

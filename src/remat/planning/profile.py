@@ -27,7 +27,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,15 +73,10 @@ class Blocks:
     paths: list[str]
     types: list[str]
     inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
-    # The blocks whose parent is an ``nn.Sequential`` that keeps its class's forward and ran in
-    # the step: their segments can run on the region engine ([ Segments of an nn.Sequential ]).
-    sequential: set[str] = field(default_factory=set)
-
-
-def plain_sequential(module: nn.Module) -> TypeGuard[nn.Sequential]:
-    """Whether ``module`` is an ``nn.Sequential`` whose class keeps ``nn.Sequential.forward``:
-    each child's output goes to the next child, and nothing else runs."""
-    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+    # The blocks whose first call took the output of the block before them in ``paths``, called
+    # just before, as it was: segments of such blocks run on the region engine (see
+    # [ Segments on the region engine ] in ``apply.py``).
+    linked: set[str] = field(default_factory=set)
 
 
 def op_key(module: str, op: Any, occurrence: int) -> str:
@@ -178,22 +173,39 @@ def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Bloc
 
         return pre
 
+    # The last block call's output leaves and their versions, for ``found.linked``.
+    last: dict[str, Any] = {"path": None, "outputs": []}
+
+    def link(path: str, args: Any, kwargs: Any) -> None:
+        before = paths.index(path) - 1
+        if path in found.inputs or before < 0 or last["path"] != paths[before]:
+            return
+        outputs = {id(t): v for t, v in last["outputs"]}
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and outputs.get(id(a)) == a._version:
+                found.linked.add(path)
+
+    def returned(path: str, out: Any) -> None:
+        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        last["path"], last["outputs"] = path, [(t, t._version) for t in leaves]
+
     for path in paths:
-        handles.append(names[path].register_forward_pre_hook(hook(path), with_kwargs=True))
-    called: set[str] = set()
-    for parent in {p.rpartition(".")[0] for p in paths}:
-        if plain_sequential(names[parent]):
-            handles.append(
-                names[parent].register_forward_pre_hook(
-                    lambda *_, parent=parent: called.add(parent)
-                )
+        module = names[path]
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda m, a, k, path=path: link(path, a, k), with_kwargs=True
             )
+        )
+        handles.append(module.register_forward_pre_hook(hook(path), with_kwargs=True))
+        handles.append(
+            module.register_forward_hook(lambda m, a, out, path=path: returned(path, out))
+        )
     try:
         step()
     finally:
         for h in handles:
             h.remove()
-    found.sequential = {p for p in paths if p.rpartition(".")[0] in called}
+        last.clear()
     signatures: dict[Any, str] = {}
     for path in paths:
         if path not in found.inputs:
