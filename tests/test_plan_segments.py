@@ -477,3 +477,25 @@ def test_segments_of_blocks_that_do_not_link_stay_on_the_graph_engine() -> None:
     # Block 0's input needs no gradient: blocks 1 to 3 are the type with segments.
     segment_options = [o for o in profiled.options[profiled.types[1]] if o.kind == "segment"]
     assert segment_options and not any(o.linked for o in segment_options)
+
+
+def test_unapply_undoes_a_plan_with_segments_on_both_engines() -> None:
+    """remat.unapply leaves no part of a plan behind: a linked segment's forwards, a
+    graph-engine segment's hooks (on its blocks and the root), a block's policy and its hooks."""
+    torch.manual_seed(0)
+    model = _Looped(n=6).train()
+    plain = copy.deepcopy(model)
+    apply_segment(model, ["blocks.0", "blocks.1"], linked=True)
+    apply_segment(model, ["blocks.2", "blocks.3"])
+    from remat.planning.apply import apply_option
+
+    apply_option(model.get_submodule("blocks.4"), "blocks.4", "graph", {})
+    remat.unapply(model)
+    for m in model.modules():
+        assert "forward" not in m.__dict__
+        assert not m._forward_hooks and not m._forward_pre_hooks, type(m).__name__
+    x = torch.randn(32, 64)
+    _step(model, x)
+    assert all(_spy(model, k).seen == [(0, False)] for k in range(6))  # plain: no recompute
+    batches = [(x, torch.randn(32, 64)) for _ in range(2)]
+    assert_records_equal(train(plain, batches, _loss), train(model, batches, _loss))

@@ -143,9 +143,12 @@ def enable(
 
 
 def disable(model: nn.Module) -> nn.Module:
-    """Undo :func:`enable`: every layer it made a region runs plainly again; return the model."""
+    """Undo :func:`enable`: every layer it made a region, or that its budget's plan set up
+    (policies, offload scopes, segments), runs plainly again; return the model."""
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.hf.disable: expected an nn.Module, got {type(model).__name__}.")
+    from .planning.apply import undo_option, undo_segment_on
+
     found = 0
     for m in model.modules():
         keys = [k for k, hook in m._forward_pre_hooks.items() if hook is _drop_cache]
@@ -156,6 +159,10 @@ def disable(model: nn.Module) -> nn.Module:
             found += 1
             if modules.is_wrapped(m):
                 del m.forward
+            undo_option(m)  # what a budget's plan set up, see _fit
+            undo_segment_on(m)
+    if found:
+        undo_segment_on(model)  # a graph-engine segment closes at the end of the model's forward
     if not found:
         raise RematError(
             f"remat.hf.disable: no layer of {type(model).__name__} was enabled by "

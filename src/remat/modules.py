@@ -290,14 +290,18 @@ def unapply(model: nn.Module) -> nn.Module:
     it, in place; return ``model``.
 
     Each wrapped module gets its class's ``forward`` back; parameters, buffers and
-    ``state_dict`` keys never changed, so nothing else moves. Modules that are not wrapped are
-    left alone.
+    ``state_dict`` keys never changed, so nothing else moves. What :meth:`remat.Plan.apply`
+    set up goes too: its regions, policies, offload scopes and segments. Modules that are not
+    wrapped are left alone.
     """
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.unapply: expected an nn.Module, got {type(model).__name__}.")
+    from .planning.apply import undo_all  # the planner builds on this module
+
     for module in model.modules():
         if is_wrapped(module):
             del module.forward
+    undo_all(model)
     return model
 
 

@@ -271,13 +271,26 @@ def apply_segment(
 def undo_segment(root: nn.Module, paths: list[str]) -> None:
     """Undo :func:`apply_segment`."""
     for module in [root, *(root.get_submodule(p) for p in paths)]:
-        for hooks in (module._forward_pre_hooks, module._forward_hooks):
-            for key in [
-                k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None), Segment)
-            ]:
-                del hooks[key]
-        if isinstance(module.__dict__.get("forward"), LinkedForward):
-            del module.forward
+        undo_segment_on(module)
+
+
+def undo_segment_on(module: nn.Module) -> None:
+    """Remove the hooks and the linked forward of any segment from one module."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [
+            k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None), Segment)
+        ]:
+            del hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+    if isinstance(module.__dict__.get("forward"), LinkedForward):
+        del module.forward
+
+
+def undo_all(model: nn.Module) -> None:
+    """Undo every option and segment a plan set up on ``model`` and the modules inside it."""
+    for module in model.modules():
+        undo_option(module)
+        undo_segment_on(module)
 
 
 class Linked:
