@@ -111,6 +111,29 @@ def test_torch_compile_of_a_model_with_regions_of_each_engine() -> None:
     assert torch_bytes < plain_bytes
 
 
+def test_a_linked_segment_under_compile_lowers_each_block_to_a_region() -> None:
+    """A planned segment over blocks the model's loop calls: under torch.compile each block is
+    torch's checkpoint, in one graph, with exact gradients and less saved than plain."""
+    from remat.planning.apply import apply_segment
+
+    plain, plain_bytes, plain_frames, _ = compiled_run("plain")
+    _, torch_bytes, _, _ = compiled_run("torch")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = build("plain")
+    apply_segment(model, ["blocks.0", "blocks.1"], linked=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    x = torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(1))
+    loss, nbytes = saved_bytes(lambda: torch.compile(model, backend=counter)(x))
+    assert (counter.frame_count, sum(torch._dynamo.utils.counters["graph_break"].values())) == (
+        plain_frames,
+        0,
+    )
+    got = grads(model, x, loss)
+    assert all(torch.equal(a, b) for a, b in zip(got, plain, strict=True))
+    assert nbytes == torch_bytes < plain_bytes
+
+
 def test_compiled_apply_keeps_one_graph_and_exact_gradients() -> None:
     torch.manual_seed(0)
     plain = nn.Sequential(Block(), Block())

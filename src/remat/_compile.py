@@ -30,6 +30,11 @@ NOTE [ Regions under torch.compile ]
    stop and RNG replay; region inputs stay on the device (``offload_to_cpu`` with accelerator
    inputs raises); ``remat.region`` blocks (no function to lower) run eagerly, with a graph
    break around them.
+4. Linked calls (a planned segment over blocks a model's loop calls, NOTE [ Linked calls ] in
+   ``checkpoint.py``) have no one function to lower: each call lowers to its own checkpoint,
+   so the compiled step holds each block's input where the eager segment holds the first
+   block's alone (a block's input against its activations: a few percent more memory than
+   the plan). Graph-engine segments, recorded between hooks, run plainly under compile.
 
 NOTE [ Compiled functions inside a region ]
 

@@ -58,8 +58,9 @@ A call that does not link (its input was changed in place, replaced by a forward
 computed by the caller from the output) starts a new frame and saves its input: exact, with
 more memory. Ops the caller runs between calls run outside the frame, their saved tensors
 kept. The frame is reached weakly between calls, so an open frame whose graph is gone keeps
-nothing alive; under ``torch.no_grad()``, ``disable_checkpointing()`` or ``torch.compile``
-the calls run plainly and break the chain.
+nothing alive. Under ``torch.no_grad()`` or ``disable_checkpointing()`` the calls run plainly
+and break the chain; under ``torch.compile`` each call is a region of its own (see
+``_compile.py``).
 """
 
 from __future__ import annotations
@@ -745,11 +746,17 @@ class LinkedCalls:
         last: bool = False,
     ) -> Any:
         """Call ``function(*args, **kwargs)`` as the ``position``-th call of a chain."""
+        if torch.compiler.is_compiling():
+            # Each call lowers to its own region: [ Regions under torch.compile ] 4.
+            from ._compile import lower
+
+            preserve = self.options.preserve_rng_state
+            return lower(function, args, kwargs, policy=None, preserve_rng_state=preserve)
         frame = self._frame() if self._frame is not None else None
         follows = frame is not None and position == self._position + 1
         links = self._links(args, kwargs) if follows else {}
         self._frame, self._position, self._outputs, self._versions = None, -1, [], []
-        if not torch.is_grad_enabled() or _state.state.disabled or torch.compiler.is_compiling():
+        if not torch.is_grad_enabled() or _state.state.disabled:
             return function(*args, **kwargs)
         if position > 0 and not links:
             self.broken += 1

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import sys
 import types
 import warnings
@@ -332,6 +333,9 @@ class LinkedForward:
         module = self.module_ref()
         if module is None:
             raise RematError("remat: the module of this segment's forward was freed.")
+        if torch.compiler.is_compiling():  # [ Regions under torch.compile ] 4 in _compile.py
+            lowered = functools.partial(type(module).forward, module)
+            return self.chain.calls.run(self.position, lowered, args, kwargs)
         forward = types.MethodType(type(module).forward, module)
         calls = self.chain.calls
         broken = calls.broken
