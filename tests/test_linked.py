@@ -128,6 +128,30 @@ def test_only_the_first_calls_input_is_saved() -> None:
         del out
 
 
+def test_a_chain_holds_what_one_region_around_its_calls_holds() -> None:
+    """Kept after forward, to the byte, the same as one region that runs all four blocks (one
+    input, one generator state), as checkpoint_sequential makes it; no more in backward."""
+    from remat.planning.cost import measure_memory
+
+    class OneRegion(nn.Module):
+        def __init__(self, model: _Model) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = remat.checkpoint(self.model, x, mask)
+            return out
+
+    plain, linked = _pair()
+    x, mask = _inputs()
+    inputs = ((_leaf(x), mask), {})
+    cpu = torch.device("cpu")
+    ours = measure_memory(linked, inputs, cpu)
+    one = measure_memory(OneRegion(plain), inputs, cpu)
+    assert ours.kept == one.kept and ours.backward <= one.backward
+    assert ours.kept < measure_memory(plain, inputs, cpu).kept
+
+
 def test_a_link_broken_between_calls_starts_a_new_region_and_stays_exact() -> None:
     """An in-place change of the output between blocks (a new version), or a new tensor made
     from it, breaks the link: block 2 keeps its input, and gradients stay exact."""
@@ -142,6 +166,44 @@ def test_a_link_broken_between_calls_starts_a_new_region_and_stays_exact() -> No
         linked(xb, mask).sum().backward()
         assert linked.chain is not None and linked.chain.broken == 1
         assert _calls(linked) == [2, 2, 2, 2]
+        assert torch.equal(xa.grad, xb.grad)  # type: ignore[arg-type]
+        assert_equal(_state(plain), _state(linked))
+
+
+def test_a_chain_keeps_one_generator_state_unless_the_caller_draws_between_calls() -> None:
+    """Each call's generators are those the previous call left, so only the first call keeps
+    a copy; a draw between calls (the same tensor passed on, so the link holds) makes the next
+    call keep its own, and the dropout masks stay exact."""
+    from remat.checkpoint import _Call
+
+    made: list[_Call] = []
+    original = _Call.__init__
+
+    def spy(self: _Call, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    def draw(t: torch.Tensor) -> torch.Tensor:
+        torch.rand(3)
+        return t
+
+    for between, kept in ((None, [True, False, False, False]), (draw, [True, False, True, False])):
+        plain, linked = _pair()
+        plain.between = linked.between = between
+        x, mask = _inputs()
+        xa, xb = _leaf(x), _leaf(x)
+        torch.manual_seed(1)
+        plain(xa, mask).sum().backward()
+        made.clear()
+        _Call.__init__ = spy  # type: ignore[method-assign]
+        try:
+            torch.manual_seed(1)
+            out = linked(xb, mask)
+        finally:
+            _Call.__init__ = original  # type: ignore[method-assign]
+        assert [c.ambient.cpu_rng is not None for c in made] == kept
+        assert linked.chain is not None and linked.chain.broken == 0
+        out.sum().backward()
         assert torch.equal(xa.grad, xb.grad)  # type: ignore[arg-type]
         assert_equal(_state(plain), _state(linked))
 

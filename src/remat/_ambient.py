@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -89,6 +89,9 @@ class Ambient:
     accelerators: tuple[str, ...]
     autocast: tuple[_Autocast, ...]
     default_device: torch.device
+    # The generators were, when the run started, as the previous run of the same recompute
+    # left them: its replay leaves them right, and none is captured (see [ Linked calls ]).
+    continues: bool = False
 
     @classmethod
     def capture(cls, preserve_rng_state: bool) -> Ambient:
@@ -108,9 +111,26 @@ class Ambient:
             default_device=torch.get_default_device(),
         )
 
+    def same_generators(self, other: Ambient) -> bool:
+        """Whether both captured the same generator states (both captured them)."""
+        if self.cpu_rng is None or other.cpu_rng is None:
+            return False
+        if not torch.equal(self.cpu_rng, other.cpu_rng):
+            return False
+        mine, theirs = dict(self.device_rng), dict(other.device_rng)
+        return mine.keys() == theirs.keys() and all(
+            len(mine[t]) == len(theirs[t])
+            and all(torch.equal(a, b) for a, b in zip(mine[t], theirs[t], strict=True))
+            for t in mine
+        )
+
+    def continuing(self) -> Ambient:
+        """This state without its generators, replayed as the previous run left them."""
+        return replace(self, cpu_rng=None, device_rng=(), continues=True)
+
     def check_forward_done(self) -> None:
         """Raise if the region initialised an accelerator whose generator it could not capture."""
-        if self.cpu_rng is None:
+        if self.cpu_rng is None and not self.continues:
             return
         started = [t for t in _initialized_accelerators() if t not in self.accelerators]
         if started:
@@ -122,11 +142,13 @@ class Ambient:
             )
 
     @contextmanager
-    def replay(self) -> Iterator[None]:
-        """Run a block under this state; the caller's generators are restored afterwards."""
+    def replay(self, restore: bool = True) -> Iterator[None]:
+        """Run a block under this state; the caller's generators are restored afterwards
+        (with ``restore=False``, the caller restores them, see :func:`restoring_rng`)."""
         with ExitStack() as stack:
             if self.cpu_rng is not None:
-                stack.enter_context(_restoring_rng(self.device_rng))
+                if restore:
+                    stack.enter_context(restoring_rng(self.device_rng))
                 torch.set_rng_state(self.cpu_rng)
                 for device_type, states in self.device_rng:
                     _set_device_states(device_type, states)
@@ -151,7 +173,8 @@ class Ambient:
 
 
 @contextmanager
-def _restoring_rng(device_rng: tuple[tuple[str, Any], ...]) -> Iterator[None]:
+def restoring_rng(device_rng: tuple[tuple[str, Any], ...]) -> Iterator[None]:
+    """Put the CPU generator, and those of ``device_rng``'s device types, back on exit."""
     cpu = torch.get_rng_state()
     devices = [(t, _device_states(t)) for t, _ in device_rng]
     try:

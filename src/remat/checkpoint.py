@@ -51,8 +51,11 @@ nothing the caller did in between changed it, and re-running the previous call r
 Such an argument is not saved; every other argument is, as a region saves its inputs. The
 recompute runs the calls in order, each under the state its own forward pass saw (random
 generators, autocast), and feeds each linked argument from the previous call's recomputed
-output. So a frame of k calls saves its first call's input alone and recomputes all k calls
-once per backward, as a ``checkpoint_sequential`` segment does.
+output. A call whose generators are as the previous call left them (the caller drew nothing
+in between, the usual case) keeps no copy of them: its replay continues from where the
+previous call's replay left them, so a frame holds one generator state, as one region does.
+So a frame of k calls saves its first call's input alone and recomputes all k calls once per
+backward, as a ``checkpoint_sequential`` segment does.
 
 A call that does not link (its input was changed in place, replaced by a forward hook, or
 computed by the caller from the output) starts a new frame and saves its input: exact, with
@@ -76,7 +79,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _state
-from ._ambient import Ambient
+from ._ambient import Ambient, restoring_rng
 from ._dispatch import EagerMode
 from ._guard import (
     Reachable,
@@ -382,14 +385,19 @@ class _Frame:
 
         log = _OpLog() if self.forward_ops is not None else None
         previous: list[Any] = []
+        linked = len(self.calls) > 1
         try:
-            for call in self.calls:
-                args, kwargs = call.inputs(previous)
-                out, stopped = self._replay(call, args, kwargs, pack, log)
-                if stopped:
-                    break
-                # The next call's links point into this output ([ Linked calls ]).
-                previous = pytree.tree_leaves(out) if len(self.calls) > 1 else []
+            with contextlib.ExitStack() as stack:
+                if linked:  # a call may continue the generators where the last one left them
+                    devices = {t: s for c in self.calls for t, s in c.ambient.device_rng}
+                    stack.enter_context(restoring_rng(tuple(devices.items())))
+                for call in self.calls:
+                    args, kwargs = call.inputs(previous)
+                    out, stopped = self._replay(call, args, kwargs, pack, log, not linked)
+                    if stopped:
+                        break
+                    # The next call's links point into this output ([ Linked calls ]).
+                    previous = pytree.tree_leaves(out) if linked else []
         except Exception as error:
             if mismatches:
                 raise CheckpointError(self._mismatch_message(mismatches, count, log)) from error
@@ -406,9 +414,11 @@ class _Frame:
         kwargs: dict[str, Any],
         pack: Callable[[torch.Tensor], torch.Tensor],
         log: _OpLog | None,
+        restore: bool = True,
     ) -> tuple[Any, bool]:
         """Run one call again under the state its forward pass saw; its output, and whether
-        the pack hook stopped it early."""
+        the pack hook stopped it early. ``restore``: put the caller's generators back after it
+        (else the frame does, after its last call)."""
         # See NOTES [ When the guard runs ] and [ Writes undone ] in _guard.py.
         reach: Reachable | None = None
         undo: Undo | None = None
@@ -438,7 +448,7 @@ class _Frame:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(_state.recomputing())
-                stack.enter_context(call.ambient.replay())
+                stack.enter_context(call.ambient.replay(restore))
                 if guard is not None:
                     stack.enter_context(guard)
                 stack.enter_context(self.recompute_context)
@@ -736,6 +746,7 @@ class LinkedCalls:
         self._position = -1
         self._outputs: list[weakref.ref[torch.Tensor] | None] = []
         self._versions: list[int] = []
+        self._ended: Ambient | None = None  # the generators as the last call left them
 
     def run(
         self,
@@ -755,7 +766,9 @@ class LinkedCalls:
         frame = self._frame() if self._frame is not None else None
         follows = frame is not None and position == self._position + 1
         links = self._links(args, kwargs) if follows else {}
+        ended = self._ended
         self._frame, self._position, self._outputs, self._versions = None, -1, [], []
+        self._ended = None
         if not torch.is_grad_enabled() or _state.state.disabled:
             return function(*args, **kwargs)
         if position > 0 and not links:
@@ -767,10 +780,14 @@ class LinkedCalls:
                 check=self.options.determinism_check == "default",
                 debug=self.options.debug,
             )
-        ambient = Ambient.capture(self.options.preserve_rng_state)
+        preserve = self.options.preserve_rng_state
+        ambient = Ambient.capture(preserve)
+        if links and ended is not None and ambient.same_generators(ended):
+            ambient = ambient.continuing()  # the replay of the previous call leaves them so
         call = _Call(function, args, kwargs, ambient, links)
         out = frame.run(call, args, kwargs, contextlib.nullcontext(), offload_inputs=False)
         if not last:
+            self._ended = Ambient.capture(preserve) if preserve else None
             leaves = pytree.tree_leaves(out)
             self._frame, self._position = weakref.ref(frame), position
             tensors = [v if isinstance(v, torch.Tensor) else None for v in leaves]
