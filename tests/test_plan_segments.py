@@ -499,3 +499,50 @@ def test_unapply_undoes_a_plan_with_segments_on_both_engines() -> None:
     assert all(_spy(model, k).seen == [(0, False)] for k in range(6))  # plain: no recompute
     batches = [(x, torch.randn(32, 64)) for _ in range(2)]
     assert_records_equal(train(plain, batches, _loss), train(model, batches, _loss))
+
+
+@pytest.mark.parametrize("faster", ["region", "graph"])
+def test_linked_segments_run_on_the_engine_that_measured_faster(
+    faster: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where blocks link, segments of two and three blocks are timed on both engines; the
+    faster one runs them (here the timing is made up: linked chains take 1 s or 2 s)."""
+    from remat.planning import planner
+    from remat.planning.planner import _smallest, profile_model, solve
+    from remat.workloads.mlp import MLPBlock
+
+    def seconds(block: nn.Module, plain: nn.Module, inputs: Any, repeats: int) -> float:
+        on_region = any(
+            isinstance(m.__dict__.get("forward"), LinkedForward) for m in block.modules()
+        )
+        return 1.0 if on_region == (faster == "region") else 2.0
+
+    monkeypatch.setattr(planner, "measure_seconds", seconds)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(MLPBlock(128, 0.1) for _ in range(6))).train()
+    x, target = torch.randn(128, 128), torch.randn(128, 128)
+    profiled = profile_model(model, x, lambda o: _loss(o, target), repeats=1)
+    segment_options = [o for o in profiled.options[profiled.types[1]] if o.kind == "segment"]
+    assert segment_options
+    assert all(o.linked == (faster == "region") for o in segment_options)
+    # The faster engine's timings are the options' (1 s for the chains of two and three).
+    assert {o.measured_seconds for o in segment_options if o.source == "measured"} == {1.0}
+    assert profiled.groups[1:] == (["0"] * 5 if faster == "region" else [""] * 5)
+    plan = solve(profiled, _smallest(profiled.costs, profiled.chain))
+    planned = plan.apply(copy.deepcopy(model))
+    found = [p for s in segments_of(plan) for p in s]
+    assert found, plan.summary()
+    linked = [
+        isinstance(planned.get_submodule(p).__dict__.get("forward"), LinkedForward) for p in found
+    ]
+    assert all(linked) if faster == "region" else not any(linked)
+    assert_records_equal(
+        train(copy.deepcopy(model), [(x, target)] * 2, _loss),
+        train(planned, [(x, target)] * 2, _loss),
+    )
+
+
+def segments_of(plan: remat.Plan) -> list[list[str]]:
+    from remat.planning._plan import segments
+
+    return segments(plan.blocks)

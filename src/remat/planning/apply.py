@@ -45,7 +45,8 @@ block's input alone (NOTE [ Linked calls ] in ``checkpoint.py``). Whoever calls 
 (the parent, or code looping over them), the plan is followed. A block whose input is not the
 previous block's output at run time starts a new region and keeps its input: exact, more
 memory than planned, and a warning says so once. A segment whose input waits in a tier stays
-on the graph engine.
+on the graph engine, and so do segments of blocks on which the graph engine measured faster
+(see ``planner._segments``).
 """
 
 from __future__ import annotations

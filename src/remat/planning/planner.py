@@ -196,7 +196,8 @@ def _segments(
     device: torch.device,
     longest: int,
     repeats: int,
-    per_block: float,
+    forward_seconds: float,
+    record_seconds: float,
     tiers: dict[str | None, float],
     linked: bool = False,
 ) -> list[Option]:
@@ -206,23 +207,30 @@ def _segments(
     to the second (memory repeats to the byte), time by the mean per block of the two (a
     difference of two timings would carry their noise, times the blocks added). Kept and left
     bytes are written as the plain blocks' plus the segment's difference from a plain chain.
-    ``per_block`` is the op model's extra seconds per block (a forward replayed and recorded),
-    the prediction when nothing is timed (``repeats=0``). ``tiers`` maps each tier the
-    segment's input may wait in (``None``: none) to its seconds per byte. ``linked``: the
-    model's blocks of this type take the previous block's output, so its segments without a
-    tier run on the region engine (see [ Segments on the region engine ] in ``apply.py``),
-    measured so."""
+    The op model's extra seconds per block, the prediction when nothing is timed
+    (``repeats=0``), are ``forward_seconds`` (a forward replayed) plus, on the graph engine,
+    ``record_seconds`` (it recorded). ``tiers`` maps each tier the segment's input may wait in
+    (``None``: none) to its seconds per byte. ``linked``: the model's blocks of this type take
+    the previous block's output, so its segments without a tier may run on the region engine
+    (see [ Segments on the region engine ] in ``apply.py``); they do where that measured at
+    least as fast as the graph engine."""
     if longest < 2 or not _chains(block, inputs):
         return []
     single = measure_memory(copy.deepcopy(block), inputs, device)
     found: dict[tuple[str | None, int], tuple[float, float, float, float, float]] = {}
+    # Linked segments without a tier run on the region engine, or on the graph engine where
+    # that measured faster (blocks so small that the region engine's Python per call, which
+    # the graph engine does not pay, outweighs the graph engine's per op): "graph" below.
+    engines: list[tuple[str | None, bool]] = [(tier, linked and tier is None) for tier in tiers]
+    if linked and None in tiers and repeats > 0:
+        engines.append(("graph", False))
     for span in (2, 3)[: longest - 1]:
         plain = _Chain(block, span)
         chain = measure_memory(plain, inputs, device)
         paths = [f"blocks.{k}" for k in range(span)]
-        for tier in tiers:
+        for tier, on_region in engines:
             segment = _Chain(block, span)
-            apply_segment(segment, paths, tier, linked)
+            apply_segment(segment, paths, None if tier == "graph" else tier, on_region)
             got = measure_memory(segment, inputs, device)
             found[tier, span] = (
                 float(got.kept - chain.kept + span * single.kept),
@@ -231,6 +239,13 @@ def _segments(
                 float(got.forward),
                 measure_seconds(segment, plain, inputs, repeats) if repeats > 0 else math.nan,
             )
+    if ("graph", 2) in found:
+        spans = [k for t, k in found if t == "graph"]
+        if sum(found["graph", k][4] for k in spans) < sum(found[None, k][4] for k in spans):
+            linked = False
+            for k in spans:
+                found[None, k] = found["graph", k]
+    per_block = forward_seconds + (0.0 if linked else record_seconds)
     options = []
     for tier, per_byte in tiers.items():
         moved = per_byte * _input_bytes(inputs)
@@ -452,10 +467,10 @@ def _options(
     segments: list[Option] = []
     if recompute:
         # A segment replays each block's forward; the graph engine records it in forward too.
-        per_block = profile.forward_seconds + (
-            0.0 if linked else RECORD_OVERHEAD * len(profile.ops)
+        forward, record = profile.forward_seconds, RECORD_OVERHEAD * len(profile.ops)
+        segments = _segments(
+            block, inputs, device, longest, repeats, forward, record, per_byte, linked
         )
-        segments = _segments(block, inputs, device, longest, repeats, per_block, per_byte, linked)
     _bound(options + segments, block, inputs, profile, device)
     return undominated(options) + segments, solve_seconds
 
@@ -717,7 +732,10 @@ def profile_model(
         solve_seconds=solve_seconds,
         profile_seconds=time.perf_counter() - started,
         bandwidths=bandwidths,
-        groups=[run if linked[t] else "" for run, t in zip(runs, found.types, strict=True)],
+        groups=[
+            run if any(o.linked for o in options[t]) else ""
+            for run, t in zip(runs, found.types, strict=True)
+        ],
     )
 
 
