@@ -152,16 +152,25 @@ def test_a_chain_holds_what_one_region_around_its_calls_holds() -> None:
     assert ours.kept < measure_memory(plain, inputs, cpu).kept
 
 
+def _plain_step_with(
+    between: Any,
+) -> tuple[_Model, _Model, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A plain and a linked model that run ``between`` after block 1; the plain one's step
+    done (from seed 1); both models, the inputs of each, and the mask."""
+    plain, linked = _pair()
+    plain.between = linked.between = between
+    x, mask = _inputs()
+    xa, xb = _leaf(x), _leaf(x)
+    torch.manual_seed(1)
+    plain(xa, mask).sum().backward()
+    return plain, linked, xa, xb, mask
+
+
 def test_a_link_broken_between_calls_starts_a_new_region_and_stays_exact() -> None:
     """An in-place change of the output between blocks (a new version), or a new tensor made
     from it, breaks the link: block 2 keeps its input, and gradients stay exact."""
     for between in (lambda t: t.mul_(1.0), lambda t: t * 1.0):
-        plain, linked = _pair()
-        plain.between = linked.between = between
-        x, mask = _inputs()
-        xa, xb = _leaf(x), _leaf(x)
-        torch.manual_seed(1)
-        plain(xa, mask).sum().backward()
+        plain, linked, xa, xb, mask = _plain_step_with(between)
         torch.manual_seed(1)
         linked(xb, mask).sum().backward()
         assert linked.chain is not None and linked.chain.broken == 1
@@ -188,12 +197,7 @@ def test_a_chain_keeps_one_generator_state_unless_the_caller_draws_between_calls
         return t
 
     for between, kept in ((None, [True, False, False, False]), (draw, [True, False, True, False])):
-        plain, linked = _pair()
-        plain.between = linked.between = between
-        x, mask = _inputs()
-        xa, xb = _leaf(x), _leaf(x)
-        torch.manual_seed(1)
-        plain(xa, mask).sum().backward()
+        plain, linked, xa, xb, mask = _plain_step_with(between)
         made.clear()
         _Call.__init__ = spy  # type: ignore[method-assign]
         try:
