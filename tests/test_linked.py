@@ -285,9 +285,10 @@ def test_a_partial_backward_and_an_unused_graph_leak_nothing() -> None:
         blocks = nn.ModuleList(_Block() for _ in range(3))
         chain = LinkedCalls()
         h = chain.run(0, blocks[0], (_leaf(x),), {})[0]
-        assert chain._frame is not None and chain._frame() is not None
+        returned = chain._returned
+        assert returned is not None and returned.frame() is not None
         del h
-        assert chain._frame() is None
+        assert returned.frame() is None
     finally:
         gc.enable()
 

@@ -99,7 +99,7 @@ from .policies import Policy
 from .policies import check as check_policy
 from .store.scope import offload_hooks
 
-__all__ = ["LinkedCalls", "RegionOptions", "checkpoint"]
+__all__ = ["LinkedCalls", "RegionOptions", "checkpoint", "links"]
 
 DeterminismCheck = Literal["default", "none"]
 _DETERMINISM_CHECKS = ("default", "none")
@@ -289,7 +289,7 @@ class _Frame:
         """Run ``call`` forward as part of this frame: save its inputs (all but its links)
         through autograd, and put a slot in place of everything it saves."""
         items: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
-        tensors = [v for k, v in items if isinstance(v, torch.Tensor) and k not in call.links]
+        tensors = [v for k, v in items if k in call.tensor_args]
         # Tensors inside containers stay in their containers (the same objects in the
         # recompute), but are saved too, so that autograd's version check catches in-place
         # changes to them.
@@ -723,6 +723,39 @@ def run_region(
     return frame.run(call, args, kwargs, forward_context, offload_inputs)
 
 
+def links(
+    outputs: list[tuple[int, torch.Tensor, int]], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[int | str, int]:
+    """The arguments that are one of ``outputs`` (leaf index, tensor, its version when it was
+    returned), the same object at the same version: argument key -> leaf index. See NOTE
+    [ Linked calls ]."""
+    by_id = {id(t): (i, version) for i, t, version in outputs}
+    found: dict[int | str, int] = {}
+    items: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+    for key, v in items:
+        known = by_id.get(id(v)) if isinstance(v, torch.Tensor) else None
+        if known is not None and v._version == known[1]:
+            found[key] = known[0]
+    return found
+
+
+@dataclass
+class _Returned:
+    """The last call of a chain, while the next call may link to it: its frame (weakly), its
+    position, its output's tensor leaves (weakly, with their versions) and its generators as
+    it left them."""
+
+    frame: weakref.ref[_Frame]
+    position: int
+    leaves: list[tuple[int, weakref.ref[torch.Tensor], int]]
+    generators: Ambient | None
+
+    def outputs(self) -> list[tuple[int, torch.Tensor, int]]:
+        """The leaves still alive, for :func:`links`."""
+        alive = [(i, ref(), version) for i, ref, version in self.leaves]
+        return [(i, t, version) for i, t, version in alive if t is not None]
+
+
 class LinkedCalls:
     """Consecutive calls of functions run as one region while each call's input is the previous
     call's output (see NOTE [ Linked calls ]).
@@ -742,11 +775,7 @@ class LinkedCalls:
             )
         self.options = options
         self.broken = 0
-        self._frame: weakref.ref[_Frame] | None = None
-        self._position = -1
-        self._outputs: list[weakref.ref[torch.Tensor] | None] = []
-        self._versions: list[int] = []
-        self._ended: Ambient | None = None  # the generators as the last call left them
+        self._returned: _Returned | None = None  # the last call, while the next may link to it
 
     def run(
         self,
@@ -763,17 +792,16 @@ class LinkedCalls:
 
             preserve = self.options.preserve_rng_state
             return lower(function, args, kwargs, policy=None, preserve_rng_state=preserve)
-        frame = self._frame() if self._frame is not None else None
-        follows = frame is not None and position == self._position + 1
-        links = self._links(args, kwargs) if follows else {}
-        ended = self._ended
-        self._frame, self._position, self._outputs, self._versions = None, -1, [], []
-        self._ended = None
+        returned, self._returned = self._returned, None
+        frame = returned.frame() if returned is not None else None
+        found: dict[int | str, int] = {}
+        if returned is not None and frame is not None and position == returned.position + 1:
+            found = links(returned.outputs(), args, kwargs)
         if not torch.is_grad_enabled() or _state.state.disabled:
             return function(*args, **kwargs)
-        if position > 0 and not links:
+        if position > 0 and not found:
             self.broken += 1
-        if frame is None or not links:
+        if frame is None or not found:
             frame = _Frame(
                 contextlib.nullcontext(),
                 early_stop=self.options.early_stop,
@@ -782,30 +810,20 @@ class LinkedCalls:
             )
         preserve = self.options.preserve_rng_state
         ambient = Ambient.capture(preserve)
-        if links and ended is not None and ambient.same_generators(ended):
+        ended = returned.generators if returned is not None else None
+        if found and ended is not None and ambient.same_generators(ended):
             ambient = ambient.continuing()  # the replay of the previous call leaves them so
-        call = _Call(function, args, kwargs, ambient, links)
+        call = _Call(function, args, kwargs, ambient, found)
         out = frame.run(call, args, kwargs, contextlib.nullcontext(), offload_inputs=False)
         if not last:
-            self._ended = Ambient.capture(preserve) if preserve else None
-            leaves = pytree.tree_leaves(out)
-            self._frame, self._position = weakref.ref(frame), position
-            tensors = [v if isinstance(v, torch.Tensor) else None for v in leaves]
-            self._outputs = [weakref.ref(v) if v is not None else None for v in tensors]
-            self._versions = [v._version if v is not None else 0 for v in tensors]
+            leaves = enumerate(pytree.tree_leaves(out))
+            self._returned = _Returned(
+                weakref.ref(frame),
+                position,
+                [(i, weakref.ref(v), v._version) for i, v in leaves if isinstance(v, torch.Tensor)],
+                Ambient.capture(preserve) if preserve else None,
+            )
         return out
-
-    def _links(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int | str, int]:
-        """The arguments that are a leaf of the previous call's output, unchanged since."""
-        outputs = [ref() if ref is not None else None for ref in self._outputs]
-        index = {id(t): i for i, t in enumerate(outputs) if t is not None}
-        links: dict[int | str, int] = {}
-        items: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
-        for key, v in items:
-            i = index.get(id(v)) if isinstance(v, torch.Tensor) else None
-            if i is not None and v._version == self._versions[i]:
-                links[key] = i
-        return links
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LinkedCalls:
         return LinkedCalls(self.options)  # a copy shares no open chain

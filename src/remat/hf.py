@@ -157,9 +157,7 @@ def disable(model: nn.Module) -> nn.Module:
             m._forward_pre_hooks_with_kwargs.pop(key, None)
         if keys:
             found += 1
-            if modules.is_wrapped(m):
-                del m.forward
-            undo_option(m)  # what a budget's plan set up, see _fit
+            undo_option(m)  # its region, or what a budget's plan set up (see _fit)
             undo_segment_on(m)
     if found:
         undo_segment_on(model)  # a graph-engine segment closes at the end of the model's forward

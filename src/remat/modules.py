@@ -298,10 +298,7 @@ def unapply(model: nn.Module) -> nn.Module:
         raise RematError(f"remat.unapply: expected an nn.Module, got {type(model).__name__}.")
     from .planning.apply import undo_all  # the planner builds on this module
 
-    for module in model.modules():
-        if is_wrapped(module):
-            del module.forward
-    undo_all(model)
+    undo_all(model)  # wrapped modules among the rest
     return model
 
 

@@ -220,31 +220,33 @@ def _segments(
     found: dict[tuple[str | None, int], tuple[float, float, float, float, float]] = {}
     # Linked segments without a tier run on the region engine, or on the graph engine where
     # that measured faster (blocks so small that the region engine's Python per call, which
-    # the graph engine does not pay, outweighs the graph engine's per op): "graph" below.
-    engines: list[tuple[str | None, bool]] = [(tier, linked and tier is None) for tier in tiers]
+    # the graph engine does not pay, outweighs the graph engine's per op).
+    on_graph: dict[int, tuple[float, float, float, float, float]] = {}
+    engines = [(tier, linked and tier is None) for tier in tiers]
     if linked and None in tiers and repeats > 0:
-        engines.append(("graph", False))
+        engines.append((None, False))  # the last: the graph engine, for comparison
     for span in (2, 3)[: longest - 1]:
         plain = _Chain(block, span)
         chain = measure_memory(plain, inputs, device)
         paths = [f"blocks.{k}" for k in range(span)]
-        for tier, on_region in engines:
+        for n, (tier, on_region) in enumerate(engines):
             segment = _Chain(block, span)
-            apply_segment(segment, paths, None if tier == "graph" else tier, on_region)
+            apply_segment(segment, paths, tier, on_region)
             got = measure_memory(segment, inputs, device)
-            found[tier, span] = (
+            values = (
                 float(got.kept - chain.kept + span * single.kept),
                 float(got.backward),
                 float(got.left - chain.left + span * single.left),
                 float(got.forward),
                 measure_seconds(segment, plain, inputs, repeats) if repeats > 0 else math.nan,
             )
-    if ("graph", 2) in found:
-        spans = [k for t, k in found if t == "graph"]
-        if sum(found["graph", k][4] for k in spans) < sum(found[None, k][4] for k in spans):
-            linked = False
-            for k in spans:
-                found[None, k] = found["graph", k]
+            if n < len(tiers):
+                found[tier, span] = values
+            else:
+                on_graph[span] = values
+    if on_graph and sum(v[4] for v in on_graph.values()) < sum(found[None, k][4] for k in on_graph):
+        linked = False
+        found.update({(None, k): v for k, v in on_graph.items()})
     per_block = forward_seconds + (0.0 if linked else record_seconds)
     options = []
     for tier, per_byte in tiers.items():

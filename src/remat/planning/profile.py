@@ -37,6 +37,7 @@ from .. import _state
 from .._aten import op_info
 from .._dispatch import EagerMode
 from .._nodes import _BLANK
+from ..checkpoint import links
 from ..errors import RematError
 from ..modules import checkpoint_wrapper
 from ..policies import Decision, OpContext, must_save_reason
@@ -180,14 +181,13 @@ def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Bloc
         before = paths.index(path) - 1
         if path in found.inputs or before < 0 or last["path"] != paths[before]:
             return
-        outputs = {id(t): v for t, v in last["outputs"]}
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor) and outputs.get(id(a)) == a._version:
-                found.linked.add(path)
+        if links(last["outputs"], args, kwargs):
+            found.linked.add(path)
 
     def returned(path: str, out: Any) -> None:
-        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        last["path"], last["outputs"] = path, [(t, t._version) for t in leaves]
+        leaves = enumerate(pytree.tree_leaves(out))
+        outputs = [(i, t, t._version) for i, t in leaves if isinstance(t, torch.Tensor)]
+        last["path"], last["outputs"] = path, outputs
 
     for path in paths:
         module = names[path]
