@@ -720,6 +720,46 @@ def test_closure_tensor_and_plain_module_attribute_writes_are_seen_in_forward() 
     assert int(module.seen) == 3 and int(calls) == 3
 
 
+# A global written only inside a comprehension: the comprehension is a code object of its own.
+_WRITTEN_IN_A_COMPREHENSION = torch.zeros(())
+
+
+def test_global_written_inside_a_comprehension_is_seen_in_forward() -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if remat.is_recomputing():
+            modes.append(len(_get_current_dispatch_mode_stack()))
+        _ = [_WRITTEN_IN_A_COMPREHENSION.add_(1) for _ in range(1)]
+        return x.cos()
+
+    start = int(_WRITTEN_IN_A_COMPREHENSION)
+    for _ in range(3):
+        remat.checkpoint(fn, _leaf(2, 4)).sum().backward()
+    # The forward's check sees the write: the first recompute is guarded, the next ones undone.
+    # Had it missed the write, the guard would have found it hidden and run every recompute
+    # guarded ([1, 1, 1]).
+    assert modes == [1, 0, 0]
+    assert int(_WRITTEN_IN_A_COMPREHENSION) - start == 3
+
+
+def test_a_region_walks_what_it_reaches_once_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The recompute checks the tensors its forward pass listed ([ When the guard runs ] 3).
+    walks: list[bool] = []
+    visit = remat._guard._visit_function
+
+    def counting(*args: Any) -> None:
+        walks.append(remat.is_recomputing())
+        visit(*args)
+
+    monkeypatch.setattr(remat._guard, "_visit_function", counting)
+    block = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    assert _modes_in_recompute(block, 3, _leaf(2, 4)) == [1, 0, 0]
+    assert walks == [False] * 3
+
+
 def test_recompute_writing_what_its_forward_did_not_raises() -> None:
     buffer = torch.zeros(())
     write = [False]

@@ -34,12 +34,13 @@ and their recompute needs no guard. A region's recompute runs unguarded when all
    of every module among its arguments, the function itself, the ``self`` of a bound method,
    the arguments of a ``functools.partial``, closure cells and default arguments; the tensors
    and modules among the globals the function's code (and each such module's ``forward``)
-   names; and the tensors in lists, tuples and dicts in any of those places. Every ATen
-   write to a tensor, through any view or ``detach()`` alias of it, bumps the version counter
-   they share; so the region wrote one of them exactly when one of their versions differs
-   after its forward pass. Fresh tensors the region made itself are not listed: writing them
-   again in the recompute is what the recompute is for. (``t.data`` is an alias with a
-   counter of its own: a write through it is one of the hidden writes of 2.)
+   loads, in its body or in code it defines (a comprehension, a lambda); and the tensors in
+   lists, tuples and dicts in any of those places. Every ATen write to a tensor, through any
+   view or ``detach()`` alias of it, bumps the version counter they share; so the region
+   wrote one of them exactly when one of their versions differs after its forward pass.
+   Fresh tensors the region made itself are not listed: writing them again in the recompute
+   is what the recompute is for. (``t.data`` is an alias with a counter of its own: a write
+   through it is one of the hidden writes of 2.)
 2. *The function showed no hidden write.* A tensor reached another way (an attribute of a
    plain object, a global that a helper function writes, a write through ``.data``) is
    invisible to 1. So the first recompute of each function (the module, for a module or its
@@ -49,7 +50,9 @@ and their recompute needs no guard. A region's recompute runs unguarded when all
    a function that hides a write only on some later call (a data-dependent branch) is the
    case left open, which ``remat.is_recomputing()`` closes.
 3. *The recompute wrote none of the listed tensors either* (checked after it; a recompute that
-   writes where its forward did not diverged, and raises).
+   writes where its forward did not diverged, and raises). The list is the forward pass's, held
+   weakly until the recompute, with the recompute's own arguments added: what a region reaches
+   is walked once per call, not twice.
 
 Checking 1 costs one version read per listed tensor per forward pass (a dozen for a transformer
 block), against one Python call per operator of the recompute that it saves.
@@ -86,6 +89,7 @@ The cost is two copies of the state per recompute (BatchNorm's: three small tens
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import types
 import weakref
@@ -107,20 +111,44 @@ _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 
 
 class Reachable:
-    """The tensors a region can reach and their versions; see [ When the guard runs ] 1."""
+    """The tensors a region can reach and their versions; see [ When the guard runs ] 1.
 
-    __slots__ = ("tensors", "versions")
+    ``own``: the tensors the function itself reaches, as :meth:`own_refs` of an earlier
+    ``Reachable`` of the same function returned them; the function is not walked again. A
+    recompute checks what its forward pass listed ([ When the guard runs ] 3): one walk per
+    region call instead of two.
+    """
 
-    def __init__(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> None:
+    __slots__ = ("n_own", "tensors", "versions")
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: Any,
+        own: list[weakref.ref[torch.Tensor]] | None = None,
+    ) -> None:
         found: dict[int, torch.Tensor] = {}
         seen: set[int] = set()
+        if own is None:
+            _visit_function(function, found, seen)
+        else:
+            for ref in own:
+                t = ref()
+                if t is not None:  # a tensor that died cannot be written
+                    found[id(t)] = t
+        self.n_own = len(found)
         for value in args:
             _visit(value, found, seen, 2)
         for value in kwargs.values():
             _visit(value, found, seen, 2)
-        _visit_function(function, found, seen)
         self.tensors = list(found.values())
         self.versions = [t._version for t in self.tensors]
+
+    def own_refs(self) -> list[weakref.ref[torch.Tensor]]:
+        """Weak references to the tensors the function reaches (not through its arguments):
+        held from a forward pass to its recompute, they keep nothing alive."""
+        return [weakref.ref(t) for t in self.tensors[: self.n_own]]
 
     def written(self) -> bool:
         """Whether any listed tensor was written since this object was made."""
@@ -162,11 +190,11 @@ def _visit_module(root: nn.Module, found: dict[int, torch.Tensor], seen: set[int
             if t is not None:
                 found[id(t)] = t
         stack.extend(m for m in state["_modules"].values() if m is not None)
-        for name, attribute in state.items():
-            if name not in _MODULE_INTERNALS and isinstance(
-                attribute, (torch.Tensor, list, tuple, dict)
-            ):
-                _visit(attribute, found, seen, 1)
+        if len(state) > len(_MODULE_INTERNALS):  # else it holds nothing but the internals
+            for name in state.keys() - _MODULE_INTERNALS:
+                attribute = state[name]
+                if isinstance(attribute, (torch.Tensor, list, tuple, dict)):
+                    _visit(attribute, found, seen, 1)
         _visit_code(type(module).forward, found, seen)
 
 
@@ -196,10 +224,37 @@ def _visit_code(function: Any, found: dict[int, torch.Tensor], seen: set[int]) -
     for value in function.__defaults__ or ():
         _visit(value, found, seen, 2)
     names = function.__globals__
-    for name in function.__code__.co_names:
+    for name in _global_names(function.__code__):
         value = names.get(name)
         if isinstance(value, (torch.Tensor, nn.Module)):
             _visit(value, found, seen, 0)
+
+
+# Code object id -> (the code object, kept alive so that its id is not reused; the names it
+# loads as globals).
+_GLOBALS_OF: dict[int, tuple[types.CodeType, tuple[str, ...]]] = {}
+_GLOBALS_OF_LIMIT = 4096  # code objects remembered; past it, the table starts again
+
+
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` loads as globals, in its own body and in the code it defines
+    (comprehensions, lambdas, nested functions). A code object never changes, so neither
+    does the answer; attribute and method names, which ``co_names`` holds too, are left out."""
+    entry = _GLOBALS_OF.get(id(code))
+    if entry is not None and entry[0] is code:
+        return entry[1]
+    names: dict[str, None] = {}
+    stack = [code]
+    while stack:
+        current = stack.pop()
+        for instruction in dis.get_instructions(current):
+            if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                names[instruction.argval] = None
+        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+    if len(_GLOBALS_OF) >= _GLOBALS_OF_LIMIT:
+        _GLOBALS_OF.clear()
+    _GLOBALS_OF[id(code)] = (code, tuple(names))
+    return tuple(names)
 
 
 # Functions and modules whose first recompute ran guarded: ``True`` if the guard redirected a

@@ -195,6 +195,7 @@ class _Call:
         "keys",
         "kwargs",
         "links",
+        "reached",
         "tensor_args",
         "undoable",
         "wrote",
@@ -227,6 +228,9 @@ class _Call:
         # [ Writes undone ] in _guard.py.
         self.wrote = True
         self.undoable = False
+        # The tensors the function reached in the forward pass, held weakly (what its
+        # recompute checks, [ When the guard runs ] 3); None when it was not walked.
+        self.reached: list[weakref.ref[torch.Tensor]] | None = None
         self.keys = identities(function, args)
 
     def inputs(self, previous: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -316,6 +320,7 @@ class _Frame:
             written = reach.changed()
             call.wrote = bool(written)
             call.undoable = call.wrote and undoable(written, [*tensors, *nested])
+            call.reached = reach.own_refs()
         call.ambient.check_forward_done()
         return out
 
@@ -426,7 +431,7 @@ class _Frame:
         state: list[torch.Tensor] | None = None
         if call.wrote:
             if call.undoable:
-                reach = Reachable(call.function, args, kwargs)
+                reach = Reachable(call.function, args, kwargs, call.reached)
                 state = undo_state(reach, _tensors(args, kwargs))
             if state is not None and may_undo(call.keys):
                 undo = Undo(state)
@@ -435,7 +440,7 @@ class _Frame:
         elif needs_guard(call.keys):
             guard = WriteGuard([])
         else:
-            reach = Reachable(call.function, args, kwargs)
+            reach = Reachable(call.function, args, kwargs, call.reached)
         changed: list[torch.Tensor] = []
         out: Any = None
         stopped = False
