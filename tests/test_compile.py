@@ -111,9 +111,11 @@ def test_torch_compile_of_a_model_with_regions_of_each_engine() -> None:
     assert torch_bytes < plain_bytes
 
 
-def test_a_linked_segment_under_compile_lowers_each_block_to_a_region() -> None:
-    """A planned segment over blocks the model's loop calls: under torch.compile each block is
-    torch's checkpoint, in one graph, with exact gradients and less saved than plain."""
+@pytest.mark.parametrize("linked", [True, False], ids=["region-engine", "graph-engine"])
+def test_a_planned_segment_under_compile_lowers_each_block_to_a_region(linked: bool) -> None:
+    """A planned segment, on either engine: under torch.compile each block is torch's
+    checkpoint, in one graph, with exact gradients and less saved than plain (the graph
+    engine's recording cannot be traced; run plainly, the segment would save everything)."""
     from remat.planning.apply import apply_segment
 
     plain, plain_bytes, plain_frames, _ = compiled_run("plain")
@@ -121,7 +123,7 @@ def test_a_linked_segment_under_compile_lowers_each_block_to_a_region() -> None:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = build("plain")
-    apply_segment(model, ["blocks.0", "blocks.1"], linked=True)
+    apply_segment(model, ["blocks.0", "blocks.1"], linked=linked)
     counter = CompileCounterWithBackend("aot_eager")
     x = torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(1))
     loss, nbytes = saved_bytes(lambda: torch.compile(model, backend=counter)(x))

@@ -479,6 +479,33 @@ def test_segments_of_blocks_that_do_not_link_stay_on_the_graph_engine() -> None:
     assert segment_options and not any(o.linked for o in segment_options)
 
 
+def test_a_graph_engine_segment_keeps_a_blocks_own_forward_and_undo_restores_it() -> None:
+    """A block with an instance-level forward (a wrapper, as accelerate's hooks set one): the
+    segment's forward calls it, a deep copy calls the copy's, and undo puts it back."""
+    model = _model()
+    plain = copy.deepcopy(model)
+    calls: list[int] = []
+
+    def own_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        calls.append(id(block))
+        return type(block).forward(block, x)
+
+    for m in (model, plain):
+        block = m.get_submodule("blocks.2")
+        block.forward = functools.partial(own_forward, block)
+    apply_segment(model, _PATHS)
+    copied = copy.deepcopy(model)
+    records = train(model, _batches(), _loss)
+    assert_records_equal(train(plain, _batches(), _loss), records)
+    assert set(calls) == {id(model.blocks[2]), id(plain.blocks[2])}
+    calls.clear()
+    assert_records_equal(train(copied, _batches(), _loss), records)
+    assert set(calls) == {id(copied.blocks[2])}
+    undo_segment(model, _PATHS)
+    assert model.blocks[2].__dict__["forward"].func is own_forward
+    assert all("forward" not in model.get_submodule(p).__dict__ for p in ("blocks.1", "blocks.3"))
+
+
 def test_unapply_undoes_a_plan_with_segments_on_both_engines() -> None:
     """remat.unapply leaves no part of a plan behind: a linked segment's forwards, a
     graph-engine segment's hooks (on its blocks and the root), a block's policy and its hooks."""

@@ -34,7 +34,8 @@ NOTE [ Regions under torch.compile ]
    ``checkpoint.py``) have no one function to lower: each call lowers to its own checkpoint,
    so the compiled step holds each block's input where the eager segment holds the first
    block's alone (a block's input against its activations: a few percent more memory than
-   the plan). Graph-engine segments, recorded between hooks, run plainly under compile.
+   the plan). A graph-engine segment, recorded between hooks that Dynamo cannot trace, lowers
+   the same way, block by block (``planning.apply.SegmentForward``).
 
 NOTE [ Compiled functions inside a region ]
 

@@ -29,8 +29,12 @@ The region is closed by whichever comes first: the last block's forward returnin
 raised inside any block of the segment (``always_call`` hooks), or the end of the model's
 forward (a hook on the root, for a forward that stops before the last block, or an error the
 parent raises between blocks). A forward that begins while one is open (a stale region) closes
-it first. Under ``torch.no_grad()``, ``remat.disable_checkpointing()`` or ``torch.compile`` the
-blocks run plainly.
+it first. Under ``torch.no_grad()`` and ``remat.disable_checkpointing()`` the blocks run
+plainly. Under ``torch.compile``, where Dynamo cannot trace the recording, each block's
+``forward`` (a :class:`SegmentForward`) lowers the block to its own torch checkpoint, as a
+linked segment's calls lower ([ Regions under torch.compile ] 4 in ``_compile.py``): the
+compiled step holds each block's input instead of the segment's first, in device memory
+where the plan put it in a tier.
 
 NOTE [ Segments on the region engine ]
 
@@ -73,7 +77,7 @@ from ..store import offload
 from ..store.scope import _NAMES
 from .profile import KeyCounter
 
-__all__ = ["Linked", "LinkedForward", "PlanPolicy", "Segment"]
+__all__ = ["Linked", "LinkedForward", "PlanPolicy", "Segment", "SegmentForward"]
 
 OFFLOADS: tuple[str, ...] = _NAMES  # the tiers a decision or an option may name
 
@@ -228,10 +232,13 @@ class Segment:
 
     def exit(self, module: nn.Module, args: Any, out: Any) -> None:
         """The last block's forward, or the model's, returned or raised."""
-        self.close()
+        if not torch.compiler.is_compiling():  # nothing opened (see ``enter``)
+            self.close()
 
     def exit_on_error(self, module: nn.Module, args: Any, out: Any) -> None:
         """A block of the segment returned or raised: close on an error only."""
+        if torch.compiler.is_compiling():
+            return
         error = sys.exc_info()[1]
         if error is not None and error is not self._error:
             self.close()
@@ -262,6 +269,8 @@ def apply_segment(
             block.forward = LinkedForward(block, chain, position)
         return chain
     segment = Segment(tier)
+    for block in blocks:
+        block.forward = SegmentForward(block, block.__dict__.get("forward"))
     blocks[0].register_forward_pre_hook(segment.enter, with_kwargs=True)
     for block in blocks[:-1]:
         block.register_forward_hook(segment.exit_on_error, always_call=True)
@@ -284,8 +293,14 @@ def undo_segment_on(module: nn.Module) -> None:
         ]:
             del hooks[key]
             module._forward_pre_hooks_with_kwargs.pop(key, None)
-    if isinstance(module.__dict__.get("forward"), LinkedForward):
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, LinkedForward):
         del module.forward
+    elif isinstance(forward, SegmentForward):
+        if forward.previous is None:
+            del module.forward
+        else:
+            module.forward = forward.previous
 
 
 def undo_all(model: nn.Module) -> None:
@@ -293,6 +308,45 @@ def undo_all(model: nn.Module) -> None:
     for module in model.modules():
         undo_option(module)
         undo_segment_on(module)
+
+
+class SegmentForward:
+    """The instance-level ``forward`` of a block in a graph-engine :class:`Segment`: the block's
+    forward as it was (``previous``, an instance-level forward it had, or its class's), which
+    the segment's hooks record in eager, and its own torch checkpoint under ``torch.compile``
+    (see [ Segments on the model ]). Holds the block weakly, as ``checkpoint_wrapper``'s
+    forward does."""
+
+    __slots__ = ("module_ref", "previous")
+
+    def __init__(self, module: nn.Module, previous: Any = None) -> None:
+        self.module_ref = weakref.ref(module)
+        self.previous = previous
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module_ref()
+        if module is None:
+            raise RematError("remat: the module of this segment's forward was freed.")
+        forward = self.previous
+        if forward is None:
+            forward = functools.partial(type(module).forward, module)
+        if torch.compiler.is_compiling():  # [ Regions under torch.compile ] 4 in _compile.py
+            from .._compile import lower
+
+            return lower(forward, args, kwargs)
+        return forward(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SegmentForward:
+        copied = memo.get(id(self.module_ref()))
+        if not isinstance(copied, nn.Module):
+            raise RematError(
+                "remat: a segment's forward can be deep-copied only together with its module; "
+                "deep-copy the model that contains it."
+            )
+        return SegmentForward(copied, copy.deepcopy(self.previous, memo))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SegmentForward, (self.module_ref(), self.previous))
 
 
 class Linked:
