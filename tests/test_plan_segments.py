@@ -464,6 +464,54 @@ def test_the_profile_finds_which_blocks_link() -> None:
     )
 
 
+def test_a_segment_may_start_at_a_first_block_whose_input_needs_no_gradient() -> None:
+    """The model's first block takes an input that needs no gradient, so its type differs from
+    the blocks after it. Its segments are measured on copies of it, whose later copies are of
+    the next blocks' type, so they may cover those blocks, as torch's checkpoint_sequential's
+    first segment does: a plan with one segment over all four blocks runs as predicted."""
+    from remat.planning._plan import segments
+    from remat.planning.planner import _smallest, profile_model, solve
+    from remat.planning.solve import chain_peak
+
+    torch.manual_seed(0)
+    model = _Looped(n=4).train()
+    x, target = torch.randn(32, 64), torch.randn(32, 64)
+    profiled = profile_model(model, x, lambda o: _loss(o, target), repeats=0)
+    first, rest = profiled.types[0], profiled.types[1]
+    assert first != rest and profiled.types[1:] == [rest] * 3
+    assert profiled.chained == {first: rest}
+    assert all(o.linked for o in profiled.options[first] if o.kind == "segment")
+    whole = next(k for k, o in enumerate(profiled.chain[0]) if o.span == 4)
+    name = profiled.names[0][whole]
+    # A plan of the solver's, set to that segment (the solver picks by time, and at this size
+    # a segment and per-block regions take about the same).
+    plan = solve(profiled, _smallest(profiled.costs, profiled.chain))
+    plan.blocks = [
+        {"path": f"blocks.{k}", "type": profiled.types[k], "option": name, "segment": "blocks.0"}
+        for k in range(4)
+    ]
+    assert segments(plan.blocks) == [[f"blocks.{k}" for k in range(4)]]
+    planned = plan.apply(copy.deepcopy(model))
+    assert all(isinstance(b.forward, LinkedForward) for b in planned.blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every link holds
+        measured = _peak(planned, x, target)
+    predicted = chain_peak(profiled.costs, [profiled.chain[0][whole]])
+    assert abs(measured - predicted) <= 0.03 * measured, (measured, predicted)
+    assert_records_equal(
+        train(copy.deepcopy(model), [(x, target)] * 2, _loss),
+        train(planned, [(x, target)] * 2, _loss),
+    )
+    for k in range(4):
+        _spy(planned, k).seen.clear()
+    # One segment: each block runs in forward, then once in its recompute, which stops after
+    # the last tensor backward needs (before the last block's spy).
+    _step(planned, x)
+    assert [_spy(planned, k).seen for k in range(4)] == [[(0, False), (0, True)]] * 3 + [
+        [(0, False)]
+    ]
+
+
 def test_segments_of_blocks_that_do_not_link_stay_on_the_graph_engine() -> None:
     """Each block's output is scaled before the next block: no block links, so segments are
     measured and applied on the graph engine, which records what runs between blocks."""

@@ -95,6 +95,12 @@ class Plan:
     # -- applying ------------------------------------------------------------------------------
 
     def option(self, block: dict[str, str]) -> Option:
+        """The option ``block`` runs under: for a block of a segment, the segment's, which its
+        first block's type holds (the blocks after it may be of another, see
+        ``Blocks.chained`` in ``profile.py``)."""
+        first = block.get("segment", block["path"])
+        if first != block["path"]:
+            block = next((b for b in self.blocks if b["path"] == first), block)
         for o in self.options[block["type"]]:
             if o.name == block["option"]:
                 return o

@@ -511,13 +511,22 @@ def _chain_seconds(o: Option) -> float:
     return o.measured_seconds if o.measured_seconds is not None else o.seconds
 
 
-def _runs(types: list[str]) -> dict[str, int]:
-    """The longest run of consecutive blocks of each type."""
+def _covers(types: list[str], i: int, span: int, chained: dict[str, str]) -> bool:
+    """Whether a segment of ``span`` blocks measured on copies of block ``i`` (see
+    :class:`_Chain`) is what blocks ``i`` to ``i + span - 1`` are: the blocks after the first
+    have the type a copy fed by the one before has (its own, or ``chained``'s)."""
+    follower = chained.get(types[i], types[i])
+    return i + span <= len(types) and all(u == follower for u in types[i + 1 : i + span])
+
+
+def _runs(types: list[str], chained: dict[str, str]) -> dict[str, int]:
+    """For each type, the most blocks a segment that starts at a block of it can cover."""
     longest: dict[str, int] = {}
-    run = 0
     for i, t in enumerate(types):
-        run = run + 1 if i and types[i - 1] == t else 1
-        longest[t] = max(longest.get(t, 0), run)
+        span = 1
+        while _covers(types, i, span + 1, chained):
+            span += 1
+        longest[t] = max(longest.get(t, 0), span)
     return longest
 
 
@@ -526,10 +535,11 @@ def _chain(
     types: list[str],
     options: dict[str, list[Option]],
     groups: Sequence[str] = (),
+    chained: dict[str, str] | None = None,
 ) -> tuple[ChainCosts, list[list[ChainOption]], list[list[str]]]:
     """The chain model's constants, and per block the options that may start there (a segment
-    only where the blocks it covers are of one type and, if ``groups`` names one per block, of
-    one group) with their names."""
+    only where the blocks it covers are what its measured chain was, see :func:`_covers`, and,
+    if ``groups`` names one per block, of one group) with their names."""
     base = {name: next(o for o in opts if o.kind == "plain") for name, opts in options.items()}
     # What is live besides the blocks' kept bytes at each block's backward, measured there: in
     # a U-Net the skip tensors and their gradients make it differ from block to block, and one
@@ -546,7 +556,7 @@ def _chain(
             o
             for o in options[t]
             if o.span == 1
-            or (types[i : i + o.span] == [t] * o.span and len(set(groups[i : i + o.span])) <= 1)
+            or (_covers(types, i, o.span, chained or {}) and len(set(groups[i : i + o.span])) <= 1)
         ]
         chain.append(
             [
@@ -609,13 +619,16 @@ class Profiled:
     # engine, or "": a segment must not leave its run, or a block in it would keep its input,
     # not as measured.
     groups: list[str] = field(default_factory=list)
+    # Block type -> the type of the blocks its segments cover after their first (see
+    # ``Blocks.chained`` in ``profile.py``); absent: its own.
+    chained: dict[str, str] = field(default_factory=dict)
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
     names: list[list[str]] = field(init=False)  # the name of each chain option
 
     def __post_init__(self) -> None:
         self.costs, self.chain, self.names = _chain(
-            self.plain, self.types, self.options, self.groups
+            self.plain, self.types, self.options, self.groups, self.chained
         )
 
     def restricted(self, tiers: Sequence[str]) -> Profiled:
@@ -697,13 +710,15 @@ def profile_model(
         options: dict[str, list[Option]] = {}
         bandwidths: dict[str, float] = {}
         solve_seconds = 0.0
-        longest = {t: min(n, MAX_SEGMENT) for t, n in _runs(found.types).items()}
+        longest = {t: min(n, MAX_SEGMENT) for t, n in _runs(found.types, found.chained).items()}
         runs = _linked_runs(paths, found.linked)
+        # Segments of a type link where a block of it is followed by one its chain covers,
+        # called with its output.
         linked = {
             t: any(
-                p in found.linked and found.types[i - 1] == t
-                for i, (p, u) in enumerate(zip(paths, found.types, strict=True))
-                if u == t and i > 0
+                paths[i + 1] in found.linked and _covers(found.types, i, 2, found.chained)
+                for i in range(len(paths) - 1)
+                if found.types[i] == t
             )
             for t in found.types
         }
@@ -738,6 +753,7 @@ def profile_model(
             run if any(o.linked for o in options[t]) else ""
             for run, t in zip(runs, found.types, strict=True)
         ],
+        chained=dict(found.chained),
     )
 
 

@@ -78,6 +78,12 @@ class Blocks:
     # just before, as it was: segments of such blocks run on the region engine (see
     # [ Segments on the region engine ] in ``apply.py``).
     linked: set[str] = field(default_factory=set)
+    # Block type -> the type that a copy of such a block has when the block before it is
+    # another copy, fed its first output (see ``planner._Chain``), where a block of the model
+    # has that type and it is not the block's own: a first block whose input needs no gradient
+    # is followed by blocks whose input does. A segment measured on copies of the first block
+    # covers such followers (see [ Segments ] in ``solve.py``).
+    chained: dict[str, str] = field(default_factory=dict)
 
 
 def op_key(module: str, op: Any, occurrence: int) -> str:
@@ -184,10 +190,16 @@ def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Bloc
         if links(last["outputs"], args, kwargs):
             found.linked.add(path)
 
+    # Each block's first output tensor, at its first call: shape, dtype, requires_grad.
+    first_out: dict[str, tuple[tuple[int, ...], torch.dtype, bool]] = {}
+
     def returned(path: str, out: Any) -> None:
         leaves = enumerate(pytree.tree_leaves(out))
         outputs = [(i, t, t._version) for i, t in leaves if isinstance(t, torch.Tensor)]
         last["path"], last["outputs"] = path, outputs
+        if outputs and path not in first_out:
+            t = outputs[0][1]
+            first_out[path] = (tuple(t.shape), t.dtype, t.requires_grad)
 
     for path in paths:
         module = names[path]
@@ -207,6 +219,7 @@ def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Bloc
             h.remove()
         last.clear()
     signatures: dict[Any, str] = {}
+    followers: dict[str, Any] = {}  # type -> the signature of its chain's next copy
     for path in paths:
         if path not in found.inputs:
             raise RematError(
@@ -222,6 +235,14 @@ def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Bloc
         if sig not in signatures:
             signatures[sig] = f"{type(names[path]).__name__}#{len(signatures)}"
         found.types.append(signatures[sig])
+        out = first_out.get(path)
+        if out is not None and shapes and shapes[0][:2] == out[:2]:
+            # The chain feeds the first output to the first argument (``planner._Chain``).
+            followers[signatures[sig]] = (sig[0], (out, *shapes[1:]))
+    for t, sig in followers.items():
+        follower = signatures.get(sig)
+        if follower is not None and follower != t:
+            found.chained[t] = follower
     return found
 
 

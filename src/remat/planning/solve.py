@@ -53,7 +53,9 @@ segment holds, ``backward`` its peak while the segment's backward runs (its bloc
 activations at once), and the peak constraint at its backward takes the largest ``G_i`` of the
 blocks it covers. The DP then keeps a state per block boundary, and a segment moves from
 boundary ``i`` to ``i + span``; an assignment lists one option index per block, ``-1`` for the
-blocks a segment started earlier covers.
+blocks a segment started earlier covers. A segment starts at a block of one type and covers
+blocks of the type its measured chain's later copies had (``planner._covers``): the same type,
+or, after a first block whose input needs no gradient, the type of the blocks that follow it.
 """
 
 from __future__ import annotations
