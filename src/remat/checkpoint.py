@@ -236,7 +236,7 @@ class _Call:
     def inputs(self, previous: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments of a recompute; ``previous``: the leaves of the previous call's
         recomputed output."""
-        saved = iter(self.input_node.saved_tensors)
+        saved = iter(self.input_node.saved_tensors if self.input_node is not None else ())
 
         def value(key: int | str, v: Any) -> Any:
             if key in self.links:
@@ -304,7 +304,9 @@ class _Frame:
             )
             if isinstance(v, torch.Tensor)
         ]
-        call.input_node = save_inputs([*tensors, *nested], offload_inputs)
+        saved = [*tensors, *nested]
+        # A linked call whose one tensor argument is its link saves nothing: no node.
+        call.input_node = save_inputs(saved, offload_inputs) if saved else None
         self.calls.append(call)
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
