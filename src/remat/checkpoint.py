@@ -321,7 +321,7 @@ class _Frame:
         if reach is not None:
             written = reach.changed()
             call.wrote = bool(written)
-            call.undoable = call.wrote and undoable(written, [*tensors, *nested])
+            call.undoable = call.wrote and undoable(written, saved)
             call.reached = reach.own_refs()
         call.ambient.check_forward_done()
         return out

@@ -310,6 +310,26 @@ def undo_all(model: nn.Module) -> None:
         undo_segment_on(module)
 
 
+def _block(ref: weakref.ref[nn.Module]) -> nn.Module:
+    """The block a segment's forward belongs to."""
+    module = ref()
+    if module is None:
+        raise RematError("remat: the module of this segment's forward was freed.")
+    return module
+
+
+def _copied_block(ref: weakref.ref[nn.Module], memo: dict[int, Any]) -> nn.Module:
+    """The copy of a segment forward's block in a deep copy of the model: copy.deepcopy(model)
+    copies a module before its ``__dict__``, so the copy is in ``memo``."""
+    copied = memo.get(id(ref()))
+    if not isinstance(copied, nn.Module):
+        raise RematError(
+            "remat: a segment's forward can be deep-copied only together with its module; "
+            "deep-copy the model that contains it."
+        )
+    return copied
+
+
 class SegmentForward:
     """The instance-level ``forward`` of a block in a graph-engine :class:`Segment`: the block's
     forward as it was (``previous``, an instance-level forward it had, or its class's), which
@@ -324,25 +344,22 @@ class SegmentForward:
         self.previous = previous
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module_ref()
-        if module is None:
-            raise RematError("remat: the module of this segment's forward was freed.")
-        forward = self.previous
-        if forward is None:
-            forward = functools.partial(type(module).forward, module)
+        module = _block(self.module_ref)
         if torch.compiler.is_compiling():  # [ Regions under torch.compile ] 4 in _compile.py
             from .._compile import lower
 
+            # A partial of the class's function, as LinkedForward lowers: Dynamo traces it
+            # in the one graph.
+            forward = self.previous
+            if forward is None:
+                forward = functools.partial(type(module).forward, module)
             return lower(forward, args, kwargs)
-        return forward(*args, **kwargs)
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(module).forward(module, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SegmentForward:
-        copied = memo.get(id(self.module_ref()))
-        if not isinstance(copied, nn.Module):
-            raise RematError(
-                "remat: a segment's forward can be deep-copied only together with its module; "
-                "deep-copy the model that contains it."
-            )
+        copied = _copied_block(self.module_ref, memo)
         return SegmentForward(copied, copy.deepcopy(self.previous, memo))
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -385,9 +402,7 @@ class LinkedForward:
         self.position = position
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module_ref()
-        if module is None:
-            raise RematError("remat: the module of this segment's forward was freed.")
+        module = _block(self.module_ref)
         if torch.compiler.is_compiling():  # [ Regions under torch.compile ] 4 in _compile.py
             lowered = functools.partial(type(module).forward, module)
             return self.chain.calls.run(self.position, lowered, args, kwargs)
@@ -401,13 +416,7 @@ class LinkedForward:
         return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LinkedForward:
-        # copy.deepcopy(model) copies the module before its __dict__, so the copy is in memo.
-        copied = memo.get(id(self.module_ref()))
-        if not isinstance(copied, nn.Module):
-            raise RematError(
-                "remat: a segment's forward can be deep-copied only together with its module; "
-                "deep-copy the model that contains it."
-            )
+        copied = _copied_block(self.module_ref, memo)
         return LinkedForward(copied, copy.deepcopy(self.chain, memo), self.position)
 
     def __reduce__(self) -> tuple[Any, ...]:
