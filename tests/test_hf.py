@@ -215,6 +215,42 @@ def test_hugging_face_checkpointing_already_on_is_refused() -> None:
         remat.hf.enable(model)
 
 
+def _hf_checkpointing(model: Any, on: bool) -> None:
+    """Hugging Face's gradient checkpointing on or off, by the name the installed version
+    documents (transformers 5 renamed it and warns on the old name)."""
+    verb = "enable" if on else "disable"
+    switch = getattr(model, f"activation_checkpointing_{verb}", None)
+    (switch or getattr(model, f"gradient_checkpointing_{verb}"))()
+
+
+@pytest.mark.parametrize("how", ["region", "policy", "budget"])
+def test_hugging_face_checkpointing_turned_on_later_is_refused(how: str) -> None:
+    """``gradient_checkpointing_enable()`` after ``remat.hf.enable`` would wrap every layer in
+    torch's checkpoint around remat's decisions: a policy that keeps every matmul, or a budget's
+    plan, would silently become whole-layer recompute (more FLOPs, same gradients). The training
+    forward refuses instead; evaluation still runs, and turning Hugging Face's off again gives
+    back remat's exact step."""
+    model, inputs = _model("gpt2"), _inputs("gpt2")
+    plain = _step(model, inputs)
+    if how == "budget":
+        loss_fn: Callable[[Any], Any] = lambda out: out.loss  # noqa: E731
+        remat.hf.enable(model, budget="70%", example_inputs=inputs, loss_fn=loss_fn, repeats=0)
+    else:
+        remat.hf.enable(model, policies.save_matmuls if how == "policy" else None)
+    _hf_checkpointing(model, on=True)
+    with pytest.raises(remat.RematError, match=r"turned on in GPT2LMHeadModel \(transformer\)"):
+        _step(model, inputs)
+    with torch.no_grad():
+        model(**inputs)
+    model.eval()
+    model(**inputs)
+    model.train()
+    _hf_checkpointing(model, on=False)
+    _assert_exact(plain, _step(model, inputs))
+    remat.hf.disable(model)
+    assert not model._forward_pre_hooks
+
+
 @pytest.mark.parametrize(("name", "budget"), [("gpt2", "70%"), ("llama", "60%")])
 def test_a_budget_is_planned_exact_and_within_it(name: str, budget: str) -> None:
     """``budget=`` plans with remat.fit over the model's layers: the step stays bit-equal, it

@@ -117,11 +117,11 @@ def enable(
             "remat.hf.enable: got both policy= and budget=; a budget lets the planner choose "
             "the policy. Pass one of them."
         )
-    hf_on = [name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", 0)]
-    if hf_on:
+    hf_on = _hf_checkpointing(model)
+    if hf_on is not None:
         raise RematError(
             f"remat.hf.enable: Hugging Face gradient checkpointing is on in {type(model).__name__}"
-            f" ({hf_on[0] or 'the model'}); each layer would be recomputed twice. Call "
+            f" ({hf_on or 'the model'}); each layer would be recomputed twice. Call "
             "model.gradient_checkpointing_disable() first."
         )
     if _enabled(model):
@@ -130,8 +130,13 @@ def enable(
             "remat.hf.disable(model) first to change the policy."
         )
     where = layer_classes(model) if layers is None else layers
+    model.register_forward_pre_hook(_refuse_hf_checkpointing)
     if budget is not None:
-        return _fit(model, where, budget, example_inputs, loss_fn, options)
+        try:
+            return _fit(model, where, budget, example_inputs, loss_fn, options)
+        except BaseException:
+            _remove_hooks(model, _refuse_hf_checkpointing)
+            raise
     before = {id(m) for m in model.modules() if modules.is_wrapped(m)}
     if policy is not None:
         options["policy"] = policy
@@ -151,22 +156,62 @@ def disable(model: nn.Module) -> nn.Module:
 
     found = 0
     for m in model.modules():
-        keys = [k for k, hook in m._forward_pre_hooks.items() if hook is _drop_cache]
-        for key in keys:
-            del m._forward_pre_hooks[key]
-            m._forward_pre_hooks_with_kwargs.pop(key, None)
-        if keys:
+        if _remove_hooks(m, _drop_cache):
             found += 1
             undo_option(m)  # its region, or what a budget's plan set up (see _fit)
             undo_segment_on(m)
     if found:
         undo_segment_on(model)  # a graph-engine segment closes at the end of the model's forward
+        _remove_hooks(model, _refuse_hf_checkpointing)
     if not found:
         raise RematError(
             f"remat.hf.disable: no layer of {type(model).__name__} was enabled by "
             "remat.hf.enable; nothing to undo."
         )
     return model
+
+
+def _remove_hooks(module: nn.Module, hook: Callable[..., Any]) -> int:
+    """Remove every forward pre-hook ``hook`` from ``module``; return how many there were."""
+    keys = [k for k, h in module._forward_pre_hooks.items() if h is hook]
+    for key in keys:
+        del module._forward_pre_hooks[key]
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+    return len(keys)
+
+
+def _hf_checkpointing(model: nn.Module) -> str | None:
+    """The qualified name of the first module of ``model`` whose Hugging Face gradient
+    checkpointing flag is on (``""`` for the model itself), or ``None``."""
+    # Hugging Face sets the flag on the instance; reading the instance's dict skips
+    # nn.Module.__getattr__, which raises for every module without it (this runs before every
+    # training forward).
+    if not any(_hf_flag(m) for m in model.modules()):
+        return None
+    names: list[str] = [name for name, m in model.named_modules() if _hf_flag(m)]
+    return names[0]
+
+
+def _hf_flag(module: nn.Module) -> bool:
+    return module.__dict__.get("gradient_checkpointing") is True
+
+
+def _refuse_hf_checkpointing(model: nn.Module, args: tuple[Any, ...]) -> None:
+    """Forward pre-hook of a model enabled by :func:`enable`: Hugging Face's gradient
+    checkpointing turned on afterwards (``gradient_checkpointing_enable()``) would wrap every
+    layer in torch's checkpoint around remat, and replace a policy's or a budget's decisions by
+    whole-layer recompute without a sign; the training step refuses instead."""
+    if not (model.training and torch.is_grad_enabled()):
+        return
+    hf_on = _hf_checkpointing(model)
+    if hf_on is not None:
+        raise RematError(
+            f"remat.hf: Hugging Face gradient checkpointing was turned on in "
+            f"{type(model).__name__} ({hf_on or 'the model'}) after remat.hf.enable; it would "
+            "recompute every layer around remat's own decisions. Call "
+            "model.gradient_checkpointing_disable(), or remat.hf.disable(model) to use Hugging "
+            "Face's instead."
+        )
 
 
 def _enabled(model: nn.Module) -> bool:
