@@ -212,6 +212,43 @@ def test_a_chain_keeps_one_generator_state_unless_the_caller_draws_between_calls
         assert_equal(_state(plain), _state(linked))
 
 
+def test_continuing_calls_replay_the_forward_default_device_and_autocast() -> None:
+    """A call that continues the previous call's generators captures none, and its replay has
+    nothing to set while backward runs as forward did; a backward under another default device
+    or autocast state must still see the forward's in every call of the chain, not only the
+    first."""
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        # A factory call on the default device, a matmul autocast would change, and dropout.
+        return F.dropout(torch.tanh(x @ (torch.ones(x.shape[-1], x.shape[-1]) / 8)), 0.3)
+
+    def run(chain: LinkedCalls | None, x: torch.Tensor) -> torch.Tensor:
+        for i in range(3):
+            x = block(x) if chain is None else chain.run(i, block, (x,), {}, last=i == 2)
+        return x.square().sum()
+
+    x = torch.randn(4, 8)
+    contexts: list[Any] = [
+        lambda: torch.device("meta"),
+        lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    ]
+    for backward_under in contexts:
+        xa, xb = _leaf(x), _leaf(x)
+        torch.manual_seed(3)
+        plain = run(None, xa)
+        torch.manual_seed(3)
+        chain = LinkedCalls()
+        linked = run(chain, xb)
+        assert chain.broken == 0
+        # Both backward passes under it: autocast changes backward's own kernels too.
+        with backward_under():
+            plain.backward()
+        with backward_under():
+            linked.backward()
+        assert torch.equal(plain, linked)
+        assert torch.equal(xa.grad, xb.grad)  # type: ignore[arg-type]
+
+
 def test_retain_graph_recomputes_once_per_backward_and_autograd_grad() -> None:
     plain, linked = _pair()
     x, mask = _inputs()

@@ -13,8 +13,8 @@ moves CPU inputs to a GPU and runs dropout there replays exactly too.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -33,17 +33,21 @@ def _accelerator_module(device_type: str) -> ModuleType | None:
     return module if isinstance(module, ModuleType) else None
 
 
+# (privateuse1 backend name, [(type, its module)]): the accelerator modules to probe, found once
+# per backend name (they are looked up by name on ``torch``, which costs more than the probe).
+_probes: tuple[str, list[tuple[str, ModuleType]]] | None = None
+
+
 def _initialized_accelerators() -> tuple[str, ...]:
     """Accelerator types whose runtime is initialised (a cheap check: nothing is initialised)."""
-    found = []
-    names = list(_ACCELERATOR_TYPES)
+    global _probes
     custom = torch._C._get_privateuse1_backend_name()
-    if custom != "privateuseone":
-        names.append(custom)
-    for name in names:
-        module = _accelerator_module(name)
-        if module is None:
-            continue
+    if _probes is None or _probes[0] != custom:
+        names = [*_ACCELERATOR_TYPES, *([custom] if custom != "privateuseone" else [])]
+        found_modules = [(n, _accelerator_module(n)) for n in names]
+        _probes = (custom, [(n, m) for n, m in found_modules if m is not None])
+    found = []
+    for name, module in _probes[1]:
         is_initialized = getattr(module, "is_initialized", None)
         if callable(is_initialized):
             if is_initialized():
@@ -51,6 +55,20 @@ def _initialized_accelerators() -> tuple[str, ...]:
         elif name == "mps" and torch.backends.mps.is_available():
             found.append(name)
     return tuple(found)
+
+
+_CPU = torch.device("cpu")
+
+
+def _default_device() -> torch.device:
+    """``torch.get_default_device()``, without its Python where no mode can change it: no
+    torch-function mode is active (``torch.set_default_device`` and ``with torch.device(...)``
+    both push one) and no global device context is set."""
+    if torch._C._len_torch_function_stack() == 0 and (
+        getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None) is None
+    ):
+        return _CPU
+    return torch.get_default_device()
 
 
 def _device_states(device_type: str) -> list[torch.Tensor]:
@@ -72,12 +90,42 @@ def _set_device_states(device_type: str, states: list[torch.Tensor]) -> None:
         module.set_rng_state(state, index)
 
 
+# One device type's autocast settings: (device type, enabled, dtype, cache enabled).
+_Autocast = tuple[str, bool, torch.dtype, bool]
+
+
+def _autocast(device_types: tuple[str, ...]) -> tuple[_Autocast, ...]:
+    cache = torch.is_autocast_cache_enabled()
+    return tuple(
+        (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t), cache) for t in device_types
+    )
+
+
 @dataclass(frozen=True)
-class _Autocast:
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
-    cache_enabled: bool
+class Generators:
+    """The states of the CPU generator and of every device of the initialised accelerators."""
+
+    cpu: torch.Tensor
+    devices: tuple[tuple[str, list[torch.Tensor]], ...]
+    accelerators: tuple[str, ...]
+
+    @classmethod
+    def capture(cls, accelerators: tuple[str, ...] | None = None) -> Generators:
+        if accelerators is None:
+            accelerators = _initialized_accelerators()
+        devices = tuple((t, _device_states(t)) for t in accelerators)
+        return cls(torch.get_rng_state(), devices, accelerators)
+
+    def same(self, other: Generators) -> bool:
+        """Whether both hold the same states."""
+        if not torch.equal(self.cpu, other.cpu):
+            return False
+        mine, theirs = dict(self.devices), dict(other.devices)
+        return mine.keys() == theirs.keys() and all(
+            len(mine[t]) == len(theirs[t])
+            and all(torch.equal(a, b) for a, b in zip(mine[t], theirs[t], strict=True))
+            for t in mine
+        )
 
 
 @dataclass(frozen=True)
@@ -94,39 +142,30 @@ class Ambient:
     continues: bool = False
 
     @classmethod
-    def capture(cls, preserve_rng_state: bool) -> Ambient:
-        accelerators = _initialized_accelerators()
-        cache = torch.is_autocast_cache_enabled()
-        autocast = tuple(
-            _Autocast(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t), cache)
-            for t in ("cpu", *accelerators)
-        )
+    def capture(
+        cls,
+        preserve_rng_state: bool,
+        generators: Generators | None = None,
+        continues: bool = False,
+    ) -> Ambient:
+        """The state now. ``generators``: the generators, if the caller captured them just
+        before; ``continues``: capture none, the run continues them (see :attr:`continues`)."""
+        if generators is not None:
+            accelerators = generators.accelerators
+        else:
+            accelerators = _initialized_accelerators()
+            if preserve_rng_state and not continues:
+                generators = Generators.capture(accelerators)
+        if continues:
+            generators = None
         return cls(
-            cpu_rng=torch.get_rng_state() if preserve_rng_state else None,
-            device_rng=tuple((t, _device_states(t)) for t in accelerators)
-            if preserve_rng_state
-            else (),
+            cpu_rng=generators.cpu if generators is not None else None,
+            device_rng=generators.devices if generators is not None else (),
             accelerators=accelerators,
-            autocast=autocast,
-            default_device=torch.get_default_device(),
+            autocast=_autocast(("cpu", *accelerators)),
+            default_device=_default_device(),
+            continues=continues,
         )
-
-    def same_generators(self, other: Ambient) -> bool:
-        """Whether both captured the same generator states (both captured them)."""
-        if self.cpu_rng is None or other.cpu_rng is None:
-            return False
-        if not torch.equal(self.cpu_rng, other.cpu_rng):
-            return False
-        mine, theirs = dict(self.device_rng), dict(other.device_rng)
-        return mine.keys() == theirs.keys() and all(
-            len(mine[t]) == len(theirs[t])
-            and all(torch.equal(a, b) for a, b in zip(mine[t], theirs[t], strict=True))
-            for t in mine
-        )
-
-    def continuing(self) -> Ambient:
-        """This state without its generators, replayed as the previous run left them."""
-        return replace(self, cpu_rng=None, device_rng=(), continues=True)
 
     def check_forward_done(self) -> None:
         """Raise if the region initialised an accelerator whose generator it could not capture."""
@@ -141,10 +180,19 @@ class Ambient:
                 "init()), or pass preserve_rng_state=False if the region draws no random numbers."
             )
 
-    @contextmanager
-    def replay(self, restore: bool = True) -> Iterator[None]:
+    def replay(self, restore: bool = True) -> AbstractContextManager[None]:
         """Run a block under this state; the caller's generators are restored afterwards
         (with ``restore=False``, the caller restores them, see :func:`restoring_rng`)."""
+        if (
+            self.cpu_rng is None
+            and self.autocast == _autocast(tuple(t for t, *_ in self.autocast))
+            and _default_device() == self.default_device
+        ):
+            return nullcontext()  # nothing to set: a linked call that continues, most often
+        return self._replay(restore)
+
+    @contextmanager
+    def _replay(self, restore: bool) -> Iterator[None]:
         with ExitStack() as stack:
             if self.cpu_rng is not None:
                 if restore:
@@ -152,22 +200,20 @@ class Ambient:
                 torch.set_rng_state(self.cpu_rng)
                 for device_type, states in self.device_rng:
                     _set_device_states(device_type, states)
-            for ac in self.autocast:
-                if ac != _Autocast(
-                    ac.device_type,
-                    torch.is_autocast_enabled(ac.device_type),
-                    torch.get_autocast_dtype(ac.device_type),
+            for device_type, enabled, dtype, cache_enabled in self.autocast:
+                now = (
+                    device_type,
+                    torch.is_autocast_enabled(device_type),
+                    torch.get_autocast_dtype(device_type),
                     torch.is_autocast_cache_enabled(),
-                ):
+                )
+                if now != (device_type, enabled, dtype, cache_enabled):
                     stack.enter_context(
                         torch.autocast(
-                            ac.device_type,
-                            dtype=ac.dtype,
-                            enabled=ac.enabled,
-                            cache_enabled=ac.cache_enabled,
+                            device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled
                         )
                     )
-            if torch.get_default_device() != self.default_device:
+            if _default_device() != self.default_device:
                 stack.enter_context(self.default_device)
             yield
 

@@ -120,21 +120,36 @@ def disable_checkpointing() -> Iterator[None]:
         state.disabled = previous
 
 
-@contextmanager
-def checkpointing(value: bool = True) -> Iterator[None]:
-    previous = state.checkpointing
-    state.checkpointing = value
-    try:
-        yield
-    finally:
-        state.checkpointing = previous
+class checkpointing:
+    """Mark the code inside as the forward pass of a region (``value=True``) or not.
+
+    A class rather than a ``contextmanager`` generator: it is entered on every region call."""
+
+    __slots__ = ("previous", "value")
+
+    def __init__(self, value: bool = True) -> None:
+        self.value = value
+        self.previous = False
+
+    def __enter__(self) -> None:
+        self.previous = state.checkpointing
+        state.checkpointing = self.value
+
+    def __exit__(self, *exc: object) -> None:
+        state.checkpointing = self.previous
 
 
-@contextmanager
-def recomputing() -> Iterator[None]:
-    previous = (state.checkpointing, state.recomputing)
-    state.checkpointing, state.recomputing = False, True
-    try:
-        yield
-    finally:
-        state.checkpointing, state.recomputing = previous
+class recomputing:
+    """Mark the code inside as a recompute (and not a region's forward pass)."""
+
+    __slots__ = ("previous",)
+
+    def __init__(self) -> None:
+        self.previous = (False, False)
+
+    def __enter__(self) -> None:
+        self.previous = (state.checkpointing, state.recomputing)
+        state.checkpointing, state.recomputing = False, True
+
+    def __exit__(self, *exc: object) -> None:
+        state.checkpointing, state.recomputing = self.previous

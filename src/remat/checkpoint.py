@@ -79,7 +79,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _state
-from ._ambient import Ambient, restoring_rng
+from ._ambient import Ambient, Generators, restoring_rng
 from ._dispatch import EagerMode
 from ._guard import (
     Reachable,
@@ -308,12 +308,13 @@ class _Frame:
         # A linked call whose one tensor argument is its link saves nothing: no node.
         call.input_node = save_inputs(saved, offload_inputs) if saved else None
         self.calls.append(call)
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
-            stack.enter_context(_state.checkpointing())
-            stack.enter_context(forward_context)
-            if self.forward_ops is not None:
-                stack.enter_context(_OpLog(self.forward_ops))
+        log = _OpLog(self.forward_ops) if self.forward_ops is not None else _NO_CONTEXT
+        with (
+            torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack),
+            _state.checkpointing(),
+            forward_context,
+            log,
+        ):
             # Inside a recompute, a guard around this forward pass may hide its writes from the
             # version counters: then its own recompute is guarded too.
             reach = Reachable(call.function, args, kwargs) if not _state.state.recomputing else None
@@ -447,21 +448,24 @@ class _Frame:
         out: Any = None
         stopped = False
         try:
-            with contextlib.ExitStack() as stack:
-                if undo is not None:
-                    stack.callback(undo.close)
-                if reach is not None:  # read before ``undo`` sets the versions back
-                    stack.callback(lambda: changed.extend(reach.changed()))
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _identity))
-                stack.enter_context(torch.enable_grad())
-                stack.enter_context(_state.recomputing())
-                stack.enter_context(call.ambient.replay(restore))
-                if guard is not None:
-                    stack.enter_context(guard)
-                stack.enter_context(self.recompute_context)
-                if log is not None:
-                    stack.enter_context(log)
-                out = call.function(*args, **kwargs)
+            try:
+                with (
+                    torch.autograd.graph.saved_tensors_hooks(pack, _identity),
+                    torch.enable_grad(),
+                    _state.recomputing(),
+                    call.ambient.replay(restore),
+                    guard if guard is not None else _NO_CONTEXT,
+                    self.recompute_context,
+                    log if log is not None else _NO_CONTEXT,
+                ):
+                    out = call.function(*args, **kwargs)
+            finally:
+                try:
+                    if reach is not None:  # read before ``undo`` sets the versions back
+                        changed.extend(reach.changed())
+                finally:
+                    if undo is not None:
+                        undo.close()
         except _StopRecompute:
             stopped = True
         if guard is not None and not call.wrote:
@@ -488,6 +492,10 @@ class _Frame:
         if log is not None and self.forward_ops is not None:
             lines.append(_op_diff(self.forward_ops, log.ops))
         return "\n".join(lines)
+
+
+# A context that does nothing; reentrant, so one instance serves every call.
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -755,7 +763,7 @@ class _Returned:
     frame: weakref.ref[_Frame]
     position: int
     leaves: list[tuple[int, weakref.ref[torch.Tensor], int]]
-    generators: Ambient | None
+    generators: Generators | None
 
     def outputs(self) -> list[tuple[int, torch.Tensor, int]]:
         """The leaves still alive, for :func:`links`."""
@@ -816,10 +824,12 @@ class LinkedCalls:
                 debug=self.options.debug,
             )
         preserve = self.options.preserve_rng_state
-        ambient = Ambient.capture(preserve)
+        generators = Generators.capture() if preserve else None
         ended = returned.generators if returned is not None else None
-        if found and ended is not None and ambient.same_generators(ended):
-            ambient = ambient.continuing()  # the replay of the previous call leaves them so
+        continues = False  # generators as the previous call left them: its replay leaves them so
+        if found and generators is not None and ended is not None:
+            continues = generators.same(ended)
+        ambient = Ambient.capture(preserve, generators, continues)
         call = _Call(function, args, kwargs, ambient, found)
         out = frame.run(call, args, kwargs, contextlib.nullcontext(), offload_inputs=False)
         if not last:
@@ -828,7 +838,7 @@ class LinkedCalls:
                 weakref.ref(frame),
                 position,
                 [(i, weakref.ref(v), v._version) for i, v in leaves if isinstance(v, torch.Tensor)],
-                Ambient.capture(preserve) if preserve else None,
+                Generators.capture() if preserve else None,
             )
         return out
 
