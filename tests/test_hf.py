@@ -190,6 +190,14 @@ def test_gpt2_positional_cache_is_dropped() -> None:
     _assert_exact(plain, _step(model, {**inputs, "use_cache": True}))
 
 
+def _hf_checkpointing(model: Any, on: bool) -> None:
+    """Hugging Face's gradient checkpointing on or off, by the name the installed version
+    documents (transformers 5 renamed it and warns on the old name)."""
+    verb = "enable" if on else "disable"
+    switch = getattr(model, f"activation_checkpointing_{verb}", None)
+    (switch or getattr(model, f"gradient_checkpointing_{verb}"))()
+
+
 def test_errors() -> None:
     model = _model("gpt2")
     with pytest.raises(remat.RematError, match="both policy= and budget="):
@@ -207,20 +215,22 @@ def test_errors() -> None:
 
 
 def test_hugging_face_checkpointing_already_on_is_refused() -> None:
+    """With Hugging Face's checkpointing on, remat.hf.enable, remat.apply and remat.plan each
+    refuse: a region or plan around it would recompute every layer twice, and a profile would
+    measure its recompute as the plain step (the planner then finds nothing to save and asks
+    for a budget of 100%)."""
     model = _model("llama")
-    for m in model.modules():
-        if hasattr(m, "gradient_checkpointing"):
-            m.gradient_checkpointing = True
+    _hf_checkpointing(model, on=True)
     with pytest.raises(remat.RematError, match="gradient_checkpointing_disable"):
         remat.hf.enable(model)
-
-
-def _hf_checkpointing(model: Any, on: bool) -> None:
-    """Hugging Face's gradient checkpointing on or off, by the name the installed version
-    documents (transformers 5 renamed it and warns on the old name)."""
-    verb = "enable" if on else "disable"
-    switch = getattr(model, f"activation_checkpointing_{verb}", None)
-    (switch or getattr(model, f"gradient_checkpointing_{verb}"))()
+    with pytest.raises(remat.RematError, match=r"remat.apply: .* is on in LlamaForCausalLM"):
+        remat.apply(model, remat.hf.layer_classes(model))
+    loss_fn: Callable[[Any], Any] = lambda out: out.loss  # noqa: E731
+    with pytest.raises(remat.RematError, match=r"remat.plan: .*gradient_checkpointing_disable"):
+        remat.fit(model, _inputs("llama"), budget="50%", loss_fn=loss_fn, repeats=0)
+    assert not any(remat.modules.is_wrapped(m) for m in model.modules())
+    _hf_checkpointing(model, on=False)
+    remat.hf.enable(model)
 
 
 @pytest.mark.parametrize("how", ["region", "policy", "budget"])

@@ -117,7 +117,7 @@ def enable(
             "remat.hf.enable: got both policy= and budget=; a budget lets the planner choose "
             "the policy. Pass one of them."
         )
-    hf_on = _hf_checkpointing(model)
+    hf_on = modules._hf_checkpointing(model)
     if hf_on is not None:
         raise RematError(
             f"remat.hf.enable: Hugging Face gradient checkpointing is on in {type(model).__name__}"
@@ -180,22 +180,6 @@ def _remove_hooks(module: nn.Module, hook: Callable[..., Any]) -> int:
     return len(keys)
 
 
-def _hf_checkpointing(model: nn.Module) -> str | None:
-    """The qualified name of the first module of ``model`` whose Hugging Face gradient
-    checkpointing flag is on (``""`` for the model itself), or ``None``."""
-    # Hugging Face sets the flag on the instance; reading the instance's dict skips
-    # nn.Module.__getattr__, which raises for every module without it (this runs before every
-    # training forward).
-    if not any(_hf_flag(m) for m in model.modules()):
-        return None
-    names: list[str] = [name for name, m in model.named_modules() if _hf_flag(m)]
-    return names[0]
-
-
-def _hf_flag(module: nn.Module) -> bool:
-    return module.__dict__.get("gradient_checkpointing") is True
-
-
 def _refuse_hf_checkpointing(model: nn.Module, args: tuple[Any, ...]) -> None:
     """Forward pre-hook of a model enabled by :func:`enable`: Hugging Face's gradient
     checkpointing turned on afterwards (``gradient_checkpointing_enable()``) would wrap every
@@ -203,7 +187,7 @@ def _refuse_hf_checkpointing(model: nn.Module, args: tuple[Any, ...]) -> None:
     whole-layer recompute without a sign; the training step refuses instead."""
     if not (model.training and torch.is_grad_enabled()):
         return
-    hf_on = _hf_checkpointing(model)
+    hf_on = modules._hf_checkpointing(model)
     if hf_on is not None:
         raise RematError(
             f"remat.hf: Hugging Face gradient checkpointing was turned on in "

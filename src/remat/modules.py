@@ -188,6 +188,25 @@ def _matcher(where: Any, model: nn.Module) -> Callable[[str, nn.Module], bool]:
     )
 
 
+def _hf_checkpointing(model: nn.Module) -> str | None:
+    """The qualified name of the first module of ``model`` on which Hugging Face's gradient
+    checkpointing is on (``""`` for the model itself), or ``None``.
+
+    ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing = True`` on the instances
+    it checkpoints; reading the instance's dict skips ``nn.Module.__getattr__``, which raises
+    for every module without it (this runs before every training forward of a model that
+    :func:`remat.hf.enable` set up).
+    """
+    if not any(_hf_flag(m) for m in model.modules()):
+        return None
+    names: list[str] = [name for name, m in model.named_modules() if _hf_flag(m)]
+    return names[0]
+
+
+def _hf_flag(module: nn.Module) -> bool:
+    return module.__dict__.get("gradient_checkpointing") is True
+
+
 def apply(
     model: nn.Module,
     where: Where | None = None,
@@ -250,6 +269,13 @@ def apply(
     if not isinstance(offload_to_cpu, bool):
         raise RematError(
             f"remat.apply: offload_to_cpu must be True or False, got {offload_to_cpu!r}."
+        )
+    hf_on = _hf_checkpointing(model)
+    if hf_on is not None:
+        raise RematError(
+            f"remat.apply: Hugging Face gradient checkpointing is on in {type(model).__name__} "
+            f"({hf_on or 'the model'}); it would recompute each layer around or inside remat's "
+            "regions. Call model.gradient_checkpointing_disable() first."
         )
     match = _matcher(where, model)
     selected: list[tuple[str, nn.Module]] = []

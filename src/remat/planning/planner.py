@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .. import modules
 from ..errors import RematError
 from ._budget import fmt_bytes, parse_budget
 from ._plan import Option, Plan, fingerprint, segments
@@ -957,6 +958,14 @@ def plan(
     naming the smallest budget that fits.
     """
     parse_budget(budget, 1)  # a malformed budget fails before any work
+    hf_on = modules._hf_checkpointing(model) if isinstance(model, nn.Module) else None
+    if hf_on is not None:
+        raise RematError(
+            f"remat.plan: Hugging Face gradient checkpointing is on in {type(model).__name__} "
+            f"({hf_on or 'the model'}); the profile would measure its recompute as the plain "
+            "step, and the plan would run around it. Call model.gradient_checkpointing_disable() "
+            "first: the plan replaces it."
+        )
     profiled = profile_model(
         model, example_inputs, loss_fn, blocks=blocks, tiers=tiers, points=points, repeats=repeats
     )
