@@ -117,7 +117,7 @@ def enable(
             "remat.hf.enable: got both policy= and budget=; a budget lets the planner choose "
             "the policy. Pass one of them."
         )
-    hf_on = modules._hf_checkpointing(model)
+    hf_on = modules.hf_checkpointing_on(model)
     if hf_on is not None:
         raise RematError(
             f"remat.hf.enable: Hugging Face gradient checkpointing is on in {type(model).__name__}"
@@ -130,13 +130,8 @@ def enable(
             "remat.hf.disable(model) first to change the policy."
         )
     where = layer_classes(model) if layers is None else layers
-    model.register_forward_pre_hook(_refuse_hf_checkpointing)
     if budget is not None:
-        try:
-            return _fit(model, where, budget, example_inputs, loss_fn, options)
-        except BaseException:
-            _remove_hooks(model, _refuse_hf_checkpointing)
-            raise
+        return _fit(model, where, budget, example_inputs, loss_fn, options)
     before = {id(m) for m in model.modules() if modules.is_wrapped(m)}
     if policy is not None:
         options["policy"] = policy
@@ -156,46 +151,19 @@ def disable(model: nn.Module) -> nn.Module:
 
     found = 0
     for m in model.modules():
-        if _remove_hooks(m, _drop_cache):
+        if modules.remove_pre_hooks(m, _drop_cache):
             found += 1
             undo_option(m)  # its region, or what a budget's plan set up (see _fit)
             undo_segment_on(m)
     if found:
         undo_segment_on(model)  # a graph-engine segment closes at the end of the model's forward
-        _remove_hooks(model, _refuse_hf_checkpointing)
+        modules.unguard_hf_checkpointing(model)
     if not found:
         raise RematError(
             f"remat.hf.disable: no layer of {type(model).__name__} was enabled by "
             "remat.hf.enable; nothing to undo."
         )
     return model
-
-
-def _remove_hooks(module: nn.Module, hook: Callable[..., Any]) -> int:
-    """Remove every forward pre-hook ``hook`` from ``module``; return how many there were."""
-    keys = [k for k, h in module._forward_pre_hooks.items() if h is hook]
-    for key in keys:
-        del module._forward_pre_hooks[key]
-        module._forward_pre_hooks_with_kwargs.pop(key, None)
-    return len(keys)
-
-
-def _refuse_hf_checkpointing(model: nn.Module, args: tuple[Any, ...]) -> None:
-    """Forward pre-hook of a model enabled by :func:`enable`: Hugging Face's gradient
-    checkpointing turned on afterwards (``gradient_checkpointing_enable()``) would wrap every
-    layer in torch's checkpoint around remat, and replace a policy's or a budget's decisions by
-    whole-layer recompute without a sign; the training step refuses instead."""
-    if not (model.training and torch.is_grad_enabled()):
-        return
-    hf_on = modules._hf_checkpointing(model)
-    if hf_on is not None:
-        raise RematError(
-            f"remat.hf: Hugging Face gradient checkpointing was turned on in "
-            f"{type(model).__name__} ({hf_on or 'the model'}) after remat.hf.enable; it would "
-            "recompute every layer around remat's own decisions. Call "
-            "model.gradient_checkpointing_disable(), or remat.hf.disable(model) to use Hugging "
-            "Face's instead."
-        )
 
 
 def _enabled(model: nn.Module) -> bool:

@@ -188,7 +188,7 @@ def _matcher(where: Any, model: nn.Module) -> Callable[[str, nn.Module], bool]:
     )
 
 
-def _hf_checkpointing(model: nn.Module) -> str | None:
+def hf_checkpointing_on(model: nn.Module) -> str | None:
     """The qualified name of the first module of ``model`` on which Hugging Face's gradient
     checkpointing is on (``""`` for the model itself), or ``None``.
 
@@ -205,6 +205,51 @@ def _hf_checkpointing(model: nn.Module) -> str | None:
 
 def _hf_flag(module: nn.Module) -> bool:
     return module.__dict__.get("gradient_checkpointing") is True
+
+
+def _refuse_hf_checkpointing(model: nn.Module, args: tuple[Any, ...]) -> None:
+    """Forward pre-hook of a Hugging Face model that remat set up (:func:`apply`,
+    ``Plan.apply``, :func:`remat.hf.enable`): Hugging Face's gradient checkpointing turned on
+    afterwards (``gradient_checkpointing_enable()``) would wrap each layer in torch's checkpoint
+    around or inside remat's regions, and replace a policy's or a plan's decisions by
+    whole-layer recompute without a sign; the training forward refuses instead."""
+    if not (model.training and torch.is_grad_enabled()):
+        return
+    hf_on = hf_checkpointing_on(model)
+    if hf_on is not None:
+        raise RematError(
+            f"remat: Hugging Face gradient checkpointing was turned on in "
+            f"{type(model).__name__} ({hf_on or 'the model'}) after remat was set up on it; it "
+            "would recompute every layer around remat's own decisions. Call "
+            "model.gradient_checkpointing_disable(), or undo remat's (remat.unapply(model), "
+            "remat.hf.disable(model)) to use Hugging Face's instead."
+        )
+
+
+def guard_hf_checkpointing(model: nn.Module) -> None:
+    """Give a Hugging Face model (one with a ``gradient_checkpointing`` flag on a module)
+    the forward pre-hook :func:`_refuse_hf_checkpointing`, once."""
+    hf = any(
+        "gradient_checkpointing" in m.__dict__ or hasattr(type(m), "gradient_checkpointing")
+        for m in model.modules()
+    )
+    if hf and not any(h is _refuse_hf_checkpointing for h in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(_refuse_hf_checkpointing)
+
+
+def unguard_hf_checkpointing(model: nn.Module) -> None:
+    """Remove :func:`_refuse_hf_checkpointing` from ``model`` and the modules inside it."""
+    for module in model.modules():
+        remove_pre_hooks(module, _refuse_hf_checkpointing)
+
+
+def remove_pre_hooks(module: nn.Module, hook: Callable[..., Any]) -> int:
+    """Remove every forward pre-hook ``hook`` from ``module``; return how many there were."""
+    keys = [k for k, h in module._forward_pre_hooks.items() if h is hook]
+    for key in keys:
+        del module._forward_pre_hooks[key]
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+    return len(keys)
 
 
 def apply(
@@ -270,7 +315,7 @@ def apply(
         raise RematError(
             f"remat.apply: offload_to_cpu must be True or False, got {offload_to_cpu!r}."
         )
-    hf_on = _hf_checkpointing(model)
+    hf_on = hf_checkpointing_on(model)
     if hf_on is not None:
         raise RematError(
             f"remat.apply: Hugging Face gradient checkpointing is on in {type(model).__name__} "
@@ -308,6 +353,7 @@ def apply(
         forward = module.__dict__["forward"]
         assert isinstance(forward, _CheckpointedForward)
         forward.name = name
+    guard_hf_checkpointing(model)
     return model
 
 
@@ -325,6 +371,7 @@ def unapply(model: nn.Module) -> nn.Module:
     from .planning.apply import undo_all  # the planner builds on this module
 
     undo_all(model)  # wrapped modules among the rest
+    unguard_hf_checkpointing(model)
     return model
 
 

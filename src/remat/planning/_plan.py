@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import RematError
+from ..modules import guard_hf_checkpointing
 from ._budget import fmt_bytes
 from .apply import OFFLOADS, PlanPolicy, apply_option, apply_segment
 
@@ -126,6 +127,7 @@ class Plan:
             )
             if policy is not None:
                 self.policies.append(policy)
+        guard_hf_checkpointing(model)
         return model
 
     # -- text ----------------------------------------------------------------------------------

@@ -958,7 +958,7 @@ def plan(
     naming the smallest budget that fits.
     """
     parse_budget(budget, 1)  # a malformed budget fails before any work
-    hf_on = modules._hf_checkpointing(model) if isinstance(model, nn.Module) else None
+    hf_on = modules.hf_checkpointing_on(model) if isinstance(model, nn.Module) else None
     if hf_on is not None:
         raise RematError(
             f"remat.plan: Hugging Face gradient checkpointing is on in {type(model).__name__} "
