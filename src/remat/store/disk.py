@@ -49,7 +49,8 @@ state (``_Shared``), never the tier itself, so a forgotten tier is collected at 
    collector happens to run; without them, the files go when the step's tensors do.
 7. **close**: waits for running I/O, cancels queued I/O, removes every file and the directory.
    ``with DiskTier() as tier:`` closes on an exception too; a tier that is never closed is
-   closed by its finalizer when it is collected, or at interpreter exit.
+   closed on a thread of its own once it is collected (NOTE [ Closed when collected ]), or at
+   interpreter exit (8).
 8. **exit**: the worker threads are not daemons: ``concurrent.futures`` finishes their queued
    work at interpreter shutdown, then the finalizers and the ``atexit`` hook of ``_files.py``
    remove what is left.
@@ -82,6 +83,7 @@ import dataclasses
 import errno
 import os
 import pathlib
+import queue
 import shutil
 import threading
 import time
@@ -265,6 +267,36 @@ class _Shared:
         _files.remove_private_directory(self.directory)
 
 
+# NOTE [ Closed when collected ]
+#
+# Closing a tier joins its worker threads. A tier that is never closed is closed once it is
+# collected, and the garbage collector runs wherever an allocation triggers it, including
+# inside ``threading``'s own locked sections (starting a thread, for one): a join there waits
+# for a lock its own thread holds, and the process hangs. So the finalizer only puts the
+# tier's shared state on a ``queue.SimpleQueue`` (whose ``put`` may be called from finalizers)
+# and a daemon thread, started with the first tier, closes it from there. At interpreter exit
+# the finalizer does not run (a daemon thread joining threads while the interpreter finalizes
+# aborts it): ``concurrent.futures`` finishes the workers' queued jobs and the ``atexit`` hook
+# of ``_files.py`` removes what is left (step 8 of [ Life of an offloaded file ]).
+_CLOSE_LATER: queue.SimpleQueue[_Shared] = queue.SimpleQueue()
+_closer: threading.Thread | None = None
+_closer_lock = threading.Lock()
+
+
+def _start_closer() -> None:
+    global _closer
+    with _closer_lock:
+        if _closer is None or not _closer.is_alive():
+            _closer = threading.Thread(target=_close_collected, name="remat-disk-closer")
+            _closer.daemon = True
+            _closer.start()
+
+
+def _close_collected() -> None:
+    while True:
+        _CLOSE_LATER.get().close()
+
+
 class DiskTier:
     """Saved tensors in files of a private directory, written and read by background threads.
 
@@ -301,7 +333,10 @@ class DiskTier:
         )
         path = _files.private_directory(root)
         self._shared = _Shared(path, threads, max_pending_bytes)
-        self._finalizer = weakref.finalize(self, self._shared.close)
+        _start_closer()
+        # Collected without close(): the closer thread closes it ([ Closed when collected ]).
+        self._finalizer = weakref.finalize(self, _CLOSE_LATER.put, self._shared)
+        self._finalizer.atexit = False  # at exit: step 8 of [ Life of an offloaded file ]
 
     @property
     def directory(self) -> pathlib.Path:
@@ -424,7 +459,8 @@ class DiskTier:
 
     def close(self) -> None:
         """Wait for running I/O, drop every ticket, remove the files and the directory."""
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            self._shared.close()
 
     def __enter__(self) -> DiskTier:
         return self
