@@ -441,13 +441,16 @@ def test_a_collected_tier_is_closed_off_the_collecting_thread(
     collected ] in disk.py)."""
     joined_on: list[str] = []
     shutdown = concurrent.futures.ThreadPoolExecutor.shutdown
+    watched: list[Any] = []  # this test's executors (earlier tests' tiers may be collected too)
 
     def spy(self: Any, *args: Any, **kwargs: Any) -> None:
-        joined_on.append(threading.current_thread().name)
+        if any(self is e for e in watched):
+            joined_on.append(threading.current_thread().name)
         shutdown(self, *args, **kwargs)
 
     monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "shutdown", spy)
     tier = DiskTier(tmp_path)
+    watched.append(tier._shared.executor)
     tier.put(_bytes(2**20))
     cycle: list[Any] = [tier]
     cycle.append(cycle)  # only the cycle collector frees it
@@ -459,6 +462,7 @@ def test_a_collected_tier_is_closed_off_the_collecting_thread(
     # close() itself still joins on the caller's thread, and only once.
     joined_on.clear()
     tier = DiskTier(tmp_path)
+    watched.append(tier._shared.executor)
     tier.close()
     tier.close()
     assert joined_on == [threading.current_thread().name]
