@@ -154,10 +154,10 @@ class Ambient:
             accelerators = generators.accelerators
         else:
             accelerators = _initialized_accelerators()
-            if preserve_rng_state and not continues:
-                generators = Generators.capture(accelerators)
         if continues:
             generators = None
+        elif generators is None and preserve_rng_state:
+            generators = Generators.capture(accelerators)
         return cls(
             cpu_rng=generators.cpu if generators is not None else None,
             device_rng=generators.devices if generators is not None else (),
@@ -183,16 +183,20 @@ class Ambient:
     def replay(self, restore: bool = True) -> AbstractContextManager[None]:
         """Run a block under this state; the caller's generators are restored afterwards
         (with ``restore=False``, the caller restores them, see :func:`restoring_rng`)."""
+        autocast_now = _autocast(("cpu", *self.accelerators))
+        device_now = _default_device()
         if (
             self.cpu_rng is None
-            and self.autocast == _autocast(tuple(t for t, *_ in self.autocast))
-            and _default_device() == self.default_device
+            and self.autocast == autocast_now
+            and device_now == self.default_device
         ):
             return nullcontext()  # nothing to set: a linked call that continues, most often
-        return self._replay(restore)
+        return self._replay(restore, autocast_now, device_now)
 
     @contextmanager
-    def _replay(self, restore: bool) -> Iterator[None]:
+    def _replay(
+        self, restore: bool, autocast_now: tuple[_Autocast, ...], device_now: torch.device
+    ) -> Iterator[None]:
         with ExitStack() as stack:
             if self.cpu_rng is not None:
                 if restore:
@@ -200,20 +204,15 @@ class Ambient:
                 torch.set_rng_state(self.cpu_rng)
                 for device_type, states in self.device_rng:
                     _set_device_states(device_type, states)
-            for device_type, enabled, dtype, cache_enabled in self.autocast:
-                now = (
-                    device_type,
-                    torch.is_autocast_enabled(device_type),
-                    torch.get_autocast_dtype(device_type),
-                    torch.is_autocast_cache_enabled(),
-                )
-                if now != (device_type, enabled, dtype, cache_enabled):
+            for want, now in zip(self.autocast, autocast_now, strict=True):
+                if want != now:
+                    device_type, enabled, dtype, cache_enabled = want
                     stack.enter_context(
                         torch.autocast(
                             device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled
                         )
                     )
-            if _default_device() != self.default_device:
+            if device_now != self.default_device:
                 stack.enter_context(self.default_device)
             yield
 

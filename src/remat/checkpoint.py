@@ -831,7 +831,7 @@ class LinkedCalls:
             continues = generators.same(ended)
         ambient = Ambient.capture(preserve, generators, continues)
         call = _Call(function, args, kwargs, ambient, found)
-        out = frame.run(call, args, kwargs, contextlib.nullcontext(), offload_inputs=False)
+        out = frame.run(call, args, kwargs, _NO_CONTEXT, offload_inputs=False)
         if not last:
             leaves = enumerate(pytree.tree_leaves(out))
             self._returned = _Returned(

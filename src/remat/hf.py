@@ -117,13 +117,9 @@ def enable(
             "remat.hf.enable: got both policy= and budget=; a budget lets the planner choose "
             "the policy. Pass one of them."
         )
-    hf_on = modules.hf_checkpointing_on(model)
-    if hf_on is not None:
-        raise RematError(
-            f"remat.hf.enable: Hugging Face gradient checkpointing is on in {type(model).__name__}"
-            f" ({hf_on or 'the model'}); each layer would be recomputed twice. Call "
-            "model.gradient_checkpointing_disable() first."
-        )
+    modules.refuse_hf_checkpointing(
+        "remat.hf.enable", model, "each layer would be recomputed twice"
+    )
     if _enabled(model):
         raise RematError(
             f"remat.hf.enable: remat is already enabled on {type(model).__name__}; call "
@@ -151,7 +147,7 @@ def disable(model: nn.Module) -> nn.Module:
 
     found = 0
     for m in model.modules():
-        if modules.remove_pre_hooks(m, _drop_cache):
+        if modules.remove_hooks(m, lambda hook: hook is _drop_cache):
             found += 1
             undo_option(m)  # its region, or what a budget's plan set up (see _fit)
             undo_segment_on(m)

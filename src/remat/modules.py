@@ -188,7 +188,7 @@ def _matcher(where: Any, model: nn.Module) -> Callable[[str, nn.Module], bool]:
     )
 
 
-def hf_checkpointing_on(model: nn.Module) -> str | None:
+def _hf_checkpointing_on(model: nn.Module) -> str | None:
     """The qualified name of the first module of ``model`` on which Hugging Face's gradient
     checkpointing is on (``""`` for the model itself), or ``None``.
 
@@ -207,6 +207,18 @@ def _hf_flag(module: nn.Module) -> bool:
     return module.__dict__.get("gradient_checkpointing") is True
 
 
+def refuse_hf_checkpointing(caller: str, model: nn.Module, why: str, fix: str = "") -> None:
+    """Raise if Hugging Face's gradient checkpointing is on in ``model``: ``why`` says what
+    it would do to ``caller``'s work, ``fix`` (after the call that turns it off) what else."""
+    hf_on = _hf_checkpointing_on(model)
+    if hf_on is not None:
+        raise RematError(
+            f"{caller}: Hugging Face gradient checkpointing is on in {type(model).__name__} "
+            f"({hf_on or 'the model'}); {why}. Call model.gradient_checkpointing_disable() "
+            f"first{fix}."
+        )
+
+
 def _refuse_hf_checkpointing(model: nn.Module, args: tuple[Any, ...]) -> None:
     """Forward pre-hook of a Hugging Face model that remat set up (:func:`apply`,
     ``Plan.apply``, :func:`remat.hf.enable`): Hugging Face's gradient checkpointing turned on
@@ -215,7 +227,7 @@ def _refuse_hf_checkpointing(model: nn.Module, args: tuple[Any, ...]) -> None:
     whole-layer recompute without a sign; the training forward refuses instead."""
     if not (model.training and torch.is_grad_enabled()):
         return
-    hf_on = hf_checkpointing_on(model)
+    hf_on = _hf_checkpointing_on(model)
     if hf_on is not None:
         raise RematError(
             f"remat: Hugging Face gradient checkpointing was turned on in "
@@ -240,16 +252,24 @@ def guard_hf_checkpointing(model: nn.Module) -> None:
 def unguard_hf_checkpointing(model: nn.Module) -> None:
     """Remove :func:`_refuse_hf_checkpointing` from ``model`` and the modules inside it."""
     for module in model.modules():
-        remove_pre_hooks(module, _refuse_hf_checkpointing)
+        remove_hooks(module, lambda hook: hook is _refuse_hf_checkpointing)
 
 
-def remove_pre_hooks(module: nn.Module, hook: Callable[..., Any]) -> int:
-    """Remove every forward pre-hook ``hook`` from ``module``; return how many there were."""
-    keys = [k for k, h in module._forward_pre_hooks.items() if h is hook]
-    for key in keys:
-        del module._forward_pre_hooks[key]
-        module._forward_pre_hooks_with_kwargs.pop(key, None)
-    return len(keys)
+def remove_hooks(module: nn.Module, matches: Callable[[Callable[..., Any]], bool]) -> int:
+    """Remove every forward pre-hook and forward hook of ``module`` that ``matches``, with what
+    ``nn.Module`` keeps about it (``with_kwargs``, ``always_call``); return how many."""
+    removed = 0
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [k for k, hook in hooks.items() if matches(hook)]:
+            del hooks[key]
+            removed += 1
+            for extra in (
+                module._forward_pre_hooks_with_kwargs,
+                module._forward_hooks_with_kwargs,
+                module._forward_hooks_always_called,
+            ):
+                extra.pop(key, None)
+    return removed
 
 
 def apply(
@@ -315,13 +335,9 @@ def apply(
         raise RematError(
             f"remat.apply: offload_to_cpu must be True or False, got {offload_to_cpu!r}."
         )
-    hf_on = hf_checkpointing_on(model)
-    if hf_on is not None:
-        raise RematError(
-            f"remat.apply: Hugging Face gradient checkpointing is on in {type(model).__name__} "
-            f"({hf_on or 'the model'}); it would recompute each layer around or inside remat's "
-            "regions. Call model.gradient_checkpointing_disable() first."
-        )
+    refuse_hf_checkpointing(
+        "remat.apply", model, "it would recompute each layer around or inside remat's regions"
+    )
     match = _matcher(where, model)
     selected: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():

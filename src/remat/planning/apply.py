@@ -71,7 +71,7 @@ from torch import nn
 from .. import _state
 from ..checkpoint import LinkedCalls
 from ..errors import RematError
-from ..modules import checkpoint_wrapper, is_wrapped
+from ..modules import checkpoint_wrapper, is_wrapped, remove_hooks
 from ..policies import Decision, OpContext, recompute_everything
 from ..store import offload
 from ..store.scope import _NAMES
@@ -198,15 +198,14 @@ def undo_option(block: nn.Module) -> None:
     """Undo :func:`apply_option` on ``block``: its class's forward, no plan hooks."""
     if is_wrapped(block):
         del block.forward
-    for hooks in (block._forward_pre_hooks, block._forward_hooks):
-        for key in [
-            k
-            for k, hook in hooks.items()
-            if hook is _reset
+    remove_hooks(
+        block,
+        lambda hook: (
+            hook is _reset
             or hook is _done
             or isinstance(getattr(hook, "__self__", None), Offloaded)
-        ]:
-            del hooks[key]
+        ),
+    )
 
 
 class Segment:
@@ -287,12 +286,7 @@ def undo_segment(root: nn.Module, paths: list[str]) -> None:
 
 def undo_segment_on(module: nn.Module) -> None:
     """Remove the hooks and the linked forward of any segment from one module."""
-    for hooks in (module._forward_pre_hooks, module._forward_hooks):
-        for key in [
-            k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None), Segment)
-        ]:
-            del hooks[key]
-            module._forward_pre_hooks_with_kwargs.pop(key, None)
+    remove_hooks(module, lambda hook: isinstance(getattr(hook, "__self__", None), Segment))
     forward = module.__dict__.get("forward")
     if isinstance(forward, LinkedForward):
         del module.forward

@@ -958,14 +958,11 @@ def plan(
     naming the smallest budget that fits.
     """
     parse_budget(budget, 1)  # a malformed budget fails before any work
-    hf_on = modules.hf_checkpointing_on(model) if isinstance(model, nn.Module) else None
-    if hf_on is not None:
-        raise RematError(
-            f"remat.plan: Hugging Face gradient checkpointing is on in {type(model).__name__} "
-            f"({hf_on or 'the model'}); the profile would measure its recompute as the plain "
-            "step, and the plan would run around it. Call model.gradient_checkpointing_disable() "
-            "first: the plan replaces it."
+    if isinstance(model, nn.Module):
+        why = (
+            "the profile would measure its recompute as the plain step, and the plan run around it"
         )
+        modules.refuse_hf_checkpointing("remat.plan", model, why, ": the plan replaces it")
     profiled = profile_model(
         model, example_inputs, loss_fn, blocks=blocks, tiers=tiers, points=points, repeats=repeats
     )
