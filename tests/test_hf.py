@@ -165,7 +165,7 @@ def test_cache_is_dropped_in_training_with_a_warning(caplog: pytest.LogCaptureFi
     model, inputs = _model("llama"), _inputs("llama")
     plain = _step(model, {**inputs, "use_cache": False})
     remat.apply(model, remat.hf.layer_classes(model))
-    with pytest.raises(remat.CheckpointError):
+    with pytest.raises(remat.CheckpointError, match="key/value cache .* use_cache=False"):
         _step(model, {**inputs, "use_cache": True})
     for m in model.modules():
         m.__dict__.pop("forward", None)
@@ -295,6 +295,33 @@ def test_a_budget_is_planned_exact_and_within_it(name: str, budget: str) -> None
         assert "forward" not in m.__dict__
         assert not m._forward_hooks and not m._forward_pre_hooks, type(m).__name__
     _assert_exact(plain, _step(model, inputs))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_plan_refuses_a_key_value_cache(name: str) -> None:
+    """remat.fit on a layer that trains with a key/value cache: each replay of the layer in the
+    profile would append to the cache again (a size mismatch deep in attention); the planner
+    refuses, naming the layer and the fix, and leaves the model as it was. Without the cache
+    the plan is made and exact."""
+    model, inputs = _model(name), _inputs(name)
+    plain = _step(model, inputs)
+    loss_fn: Callable[[Any], Any] = lambda out: out.loss  # noqa: E731
+    layer = "transformer.h.0" if name == "gpt2" else "model.layers.0"
+    with pytest.raises(
+        remat.RematError,
+        match=rf"block '{layer}' \(\w+\) trains with a key/value cache \(.*use_cache=False",
+    ):
+        remat.fit(model, inputs, budget="75%", loss_fn=loss_fn, repeats=0)
+    for m in model.modules():
+        assert "forward" not in m.__dict__
+        assert not m._forward_hooks and not m._forward_pre_hooks, type(m).__name__
+    _assert_exact(plain, (plain[0], [p.grad for p in model.parameters()]))  # left as found
+    _assert_exact(plain, _step(model, inputs))
+
+    uncached = {**inputs, "use_cache": False}
+    remat.fit(model, uncached, budget="75%", loss_fn=loss_fn, repeats=0)
+    assert any("forward" in m.__dict__ for m in model.modules())
+    _assert_exact(plain, _step(model, uncached))
 
 
 def test_layers_by_name_and_a_deep_copy() -> None:

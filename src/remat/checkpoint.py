@@ -106,7 +106,9 @@ _DETERMINISM_CHECKS = ("default", "none")
 
 _USUAL_CAUSES = (
     "Usual causes: the function reads global or Python-level state that changed between "
-    "forward and backward (a flag, a cache, Python's `random`), takes a different branch the "
+    "forward and backward (a flag, a cache, Python's `random`), appends to a key/value cache "
+    "it was given (a Hugging Face layer called with use_cache=True: pass use_cache=False, or "
+    "use remat.hf.enable, which drops the cache while training), takes a different branch the "
     "second time, a module switched between train() and eval(), or preserve_rng_state=False "
     "with random ops inside. Pass debug=True to see the operators of both runs."
 )

@@ -208,6 +208,27 @@ def _signature(cls: type[nn.Module]) -> inspect.Signature:
     return signature
 
 
+def cache_arguments(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[inspect.BoundArguments, list[str]] | None:
+    """The key/value cache arguments of a call of ``module`` that are on (``use_cache`` true,
+    ``past_key_values`` or ``layer_past`` given), with the call's bound arguments; ``None`` when
+    there are none, or when the call does not bind to ``forward``'s signature."""
+    signature = _signature(type(module))
+    if not any(name in signature.parameters for name in ("use_cache", *_CACHE_ARGUMENTS)):
+        return None
+    try:
+        bound = signature.bind_partial(module, *args, **kwargs)
+    except TypeError:
+        return None  # the layer's own call raises the clearer error
+    on = [
+        name
+        for name in ("use_cache", *_CACHE_ARGUMENTS)
+        if bound.arguments.get(name) not in (None, False)
+    ]
+    return (bound, on) if on else None
+
+
 def _drop_cache(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -215,17 +236,10 @@ def _drop_cache(
     [ Key/value caches in training ])."""
     if not (module.training and torch.is_grad_enabled()):
         return None
-    try:
-        bound = _signature(type(module)).bind_partial(module, *args, **kwargs)
-    except TypeError:
-        return None  # the layer's own call raises the clearer error
-    changed = [
-        name
-        for name in ("use_cache", *_CACHE_ARGUMENTS)
-        if bound.arguments.get(name) not in (None, False)
-    ]
-    if not changed:
+    found = cache_arguments(module, args, kwargs)
+    if found is None:
         return None
+    bound, changed = found
     for name in changed:
         bound.arguments[name] = False if name == "use_cache" else None
     name = type(module).__name__

@@ -39,6 +39,7 @@ from .._dispatch import EagerMode
 from .._nodes import _BLANK
 from ..checkpoint import links
 from ..errors import RematError
+from ..hf import cache_arguments
 from ..modules import checkpoint_wrapper
 from ..policies import Decision, OpContext, must_save_reason
 
@@ -162,6 +163,29 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
     return best
 
 
+def _refuse_cache(path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
+    """Raise when a block trains with a key/value cache: each replay of the block, in
+    profiling and in backward, would append to the cache again (see NOTE [ Key/value caches in
+    training ] in ``hf.py``)."""
+    if not (module.training and torch.is_grad_enabled()):
+        return
+    found = cache_arguments(module, args, kwargs)
+    if found is None:
+        return
+    bound, on = found
+    given = ", ".join(
+        f"{name}={type(bound.arguments[name]).__name__}" if name != "use_cache" else
+        "use_cache=True" for name in on
+    )  # fmt: skip
+    raise RematError(
+        f"remat.plan: block {path!r} ({type(module).__name__}) trains with a key/value cache "
+        f"({given}); a replay of the block would append to the cache a second time. Pass "
+        "use_cache=False to the model, in example_inputs and in training, or plan with "
+        "remat.hf.enable(model, budget=..., example_inputs=..., loss_fn=...), which drops the "
+        "cache while training as Hugging Face's gradient checkpointing does."
+    )
+
+
 def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Blocks:
     """Run ``step`` once (forward and backward) and capture each block's inputs; blocks whose
     parameters and input shapes agree get one type name."""
@@ -172,6 +196,7 @@ def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Bloc
     def hook(path: str) -> Any:
         def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
             if path not in found.inputs:
+                _refuse_cache(path, module, args, kwargs)
                 found.inputs[path] = pytree.tree_map_only(
                     torch.Tensor,
                     lambda t: t.detach().clone().requires_grad_(t.requires_grad),
