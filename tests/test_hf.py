@@ -165,7 +165,7 @@ def test_cache_is_dropped_in_training_with_a_warning(caplog: pytest.LogCaptureFi
     model, inputs = _model("llama"), _inputs("llama")
     plain = _step(model, {**inputs, "use_cache": False})
     remat.apply(model, remat.hf.layer_classes(model))
-    with pytest.raises(remat.CheckpointError, match="key/value cache .* use_cache=False"):
+    with pytest.raises(remat.CheckpointError, match=r"key/value cache .* use_cache=False"):
         _step(model, {**inputs, "use_cache": True})
     for m in model.modules():
         m.__dict__.pop("forward", None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from typing import Any
 
 import pytest
@@ -139,6 +140,23 @@ def test_fit_with_batchnorm_and_dropout_is_exact() -> None:
     assert plan.predicted_peak <= plan.budget
     batches = [(x, target), (x, target)]
     assert_records_equal(train(before, batches, loss_fn), train(fitted, batches, loss_fn))
+
+
+def test_planning_writes_no_profiler_notices_to_stderr(capfd: pytest.CaptureFixture[str]) -> None:
+    """The profiler remat measures memory with makes libkineto write a notice to standard
+    error at each start and stop (``USDT:... profiler_start``): dozens of lines per plan that
+    are not the user's. They are left out; anything else written meanwhile is kept."""
+    from remat.planning.cost import _without_kineto_notices
+
+    model, x, y = _gpt()
+    capfd.readouterr()
+    remat.plan(model, x, budget="60%", loss_fn=lambda out: _lm_loss(out, y), repeats=0)
+    assert "profiler_st" not in capfd.readouterr().err
+
+    notice = b"USDT:2026-11-25 01:12:18 29666:29666 SyncActivityProfilerHandler.cpp:52] "
+    with _without_kineto_notices():
+        os.write(2, notice + b"profiler_start\nWARNING:2026 kept\n" + notice + b"x\nmine\n")
+    assert capfd.readouterr().err == "WARNING:2026 kept\nmine\n"
 
 
 def test_infeasible_budget_names_the_smallest_that_fits() -> None:

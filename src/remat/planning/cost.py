@@ -27,9 +27,14 @@ block's forward and backward, the option against plain).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -74,9 +79,16 @@ def timeline(step: Callable[[_Marks], Any], device: torch.device) -> Timeline:
     from torch.profiler import ProfilerActivity, profile
 
     marks = _Marks(device)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _without_kineto_notices():
+        prof.start()
+    try:
         step(marks)
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    finally:
+        with _without_kineto_notices():
+            prof.stop()
+    profiler: Any = prof.profiler  # its kineto results are set once it has stopped
+    events = [e for e in profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     sizes = {_MARK + 2 * k: name for k, name in enumerate(marks.names)}
     out = Timeline()
@@ -98,6 +110,38 @@ def timeline(step: Callable[[_Marks], Any], device: torch.device) -> Timeline:
         if current is not None:
             out.peaks[current] = max(out.peaks[current], live)
     return out
+
+
+# A notice that libkineto writes to the process's stderr, e.g.
+# ``USDT:2026-11-25 01:12:18 29666:29666 SyncActivityProfilerHandler.cpp:52] profiler_start``.
+_KINETO_NOTICE = re.compile(rb"(?:USDT|STAGE|INFO):\d{4}-\d\d-\d\d [\d:.]+ \d+:\d+ [\w.]+:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_kineto_notices() -> Iterator[None]:
+    """Leave out the notices libkineto writes to file descriptor 2 as a profiler starts and
+    stops (two lines per start and stop, dozens per plan, none of them the user's); whatever
+    else is written there meanwhile (kineto's warnings and errors, other threads) is written
+    back after. Only the profiler's start and stop run inside: no user code."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no standard error to write to
+        yield
+        return
+    with tempfile.TemporaryFile() as written:
+        os.dup2(written.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            written.seek(0)
+            kept = [
+                line for line in written.read().splitlines(True) if not _KINETO_NOTICE.match(line)
+            ]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def peak_bytes(step: Callable[[], Any], device: torch.device) -> int:
