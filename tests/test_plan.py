@@ -159,6 +159,39 @@ def test_planning_writes_no_profiler_notices_to_stderr(capfd: pytest.CaptureFixt
     assert capfd.readouterr().err == "WARNING:2026 kept\nmine\n"
 
 
+def test_a_plan_made_in_evaluation_mode_refuses_a_training_forward(tmp_path: Any) -> None:
+    """Planned in evaluation mode (no dropout masks saved, BatchNorm on running statistics),
+    a plan holds less than a training step saves: trained in training mode it would exceed its
+    budget with nothing to show for it. Its blocks refuse a training-mode forward; in
+    evaluation mode (frozen BatchNorm training, validation) it runs, exact."""
+    torch.manual_seed(0)
+    model = _ConvNet().eval()
+    x = torch.randn(2, 3, 16, 16)
+    target = torch.randint(0, 5, (2,))
+    loss_fn = nn.functional.cross_entropy
+    plain = copy.deepcopy(model)
+    plan = remat.fit(model, x, budget="70%", loss_fn=lambda o: loss_fn(o, target), repeats=0)
+    assert not plan.training
+    assert "planned in evaluation mode" in plan.summary()
+    plan.save(tmp_path / "plan.json")
+    assert not remat.Plan.load(tmp_path / "plan.json").training
+
+    batches = [(x, target), (x, target)]
+    assert_records_equal(train(plain, batches, loss_fn), train(model, batches, loss_fn))
+    model.train()
+    with pytest.raises(remat.RematError, match=r"blocks\.0 \(_ConvBlock\) runs forward in "):
+        model(x)
+    with torch.no_grad():
+        model(x)  # no gradients: nothing is saved, nothing to refuse
+    remat.unapply(model)
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    model(x).sum().backward()
+
+    # Planned in training mode: nothing to refuse in either mode.
+    trained = remat.fit(_ConvNet().train(), x, budget="70%", loss_fn=lambda o: loss_fn(o, target))
+    assert trained.training and "evaluation mode" not in trained.summary()
+
+
 def test_infeasible_budget_names_the_smallest_that_fits() -> None:
     from remat.planning.planner import solve
 

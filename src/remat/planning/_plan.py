@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import RematError
 from ..modules import guard_hf_checkpointing
 from ._budget import fmt_bytes
-from .apply import OFFLOADS, PlanPolicy, apply_option, apply_segment
+from .apply import OFFLOADS, PlanPolicy, RefuseTraining, apply_option, apply_segment
 
 __all__ = ["Plan"]
 
@@ -90,6 +90,9 @@ class Plan:
     bandwidths: dict[str, float] = field(default_factory=dict)
     pareto: list[dict[str, float]] = field(default_factory=list)
     measured: dict[str, Any] = field(default_factory=dict)
+    # The model's mode when it was planned; a plan made in evaluation mode refuses a training
+    # forward (see NOTE [ The mode a plan was made in ] in ``apply.py``).
+    training: bool = True
     version: int = VERSION
     policies: list[PlanPolicy] = field(default_factory=list, repr=False, compare=False)
 
@@ -127,6 +130,10 @@ class Plan:
             )
             if policy is not None:
                 self.policies.append(policy)
+        if not self.training:
+            for block in self.blocks:
+                path = block["path"]
+                model.get_submodule(path).register_forward_pre_hook(RefuseTraining(path))
         guard_hf_checkpointing(model)
         return model
 
@@ -153,6 +160,10 @@ class Plan:
                     f"  {tier} tier while a block computed: writes {write / 1e9:.2f} GB/s, "
                     f"reads {read / 1e9:.2f} GB/s"
                 )
+        if not self.training:
+            lines.append(
+                "  planned in evaluation mode: a forward in training mode refuses this plan"
+            )
         verified = self.measured.get("verified_peak")
         if verified is not None:
             lines.append(

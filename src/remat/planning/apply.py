@@ -15,6 +15,19 @@ policy counts it. The first call that meets such ops warns once per policy, nami
 it could not follow and one of their keys; ``Plan.report()`` shows the counts next to the
 prediction.
 
+NOTE [ The mode a plan was made in ]
+
+A plan measures the step in the mode the model is in. In evaluation mode dropout saves no masks
+and BatchNorm uses its running statistics, so a plan made there holds less than a training
+step saves: applied to a model that then trains in training mode, its peak can be twice the
+budget (the small GPT of ``remat bench`` at 40%: 251272 bytes against a budget of 121347), with exact gradients
+and nothing else to show for it. ``from_pretrained`` of Hugging Face returns a model in
+evaluation mode, so this is the mistake a user meets first. A plan records the mode
+(``Plan.training``); one made in evaluation mode puts a :class:`RefuseTraining` pre-hook on
+each block, and a forward in training mode with gradients raises. A plan made in training mode
+needs no check: evaluation mode saves no more than it, and a model trained in evaluation mode
+on purpose (frozen BatchNorm statistics) is planned and run in that mode.
+
 NOTE [ Segments on the model ]
 
 A segment (blocks ``first`` to ``last``, see [ Segments ] in ``solve.py``) has no one function
@@ -194,6 +207,25 @@ def _done(module: nn.Module, args: Any, out: Any) -> None:
         policy.done()
 
 
+class RefuseTraining:
+    """A forward pre-hook on each block of a plan made with the model in evaluation mode: a
+    forward in training mode with gradients raises (see NOTE [ The mode a plan was made in ])."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, block: nn.Module, args: Any) -> None:
+        if block.training and torch.is_grad_enabled():
+            raise RematError(
+                f"remat: {self.path} ({type(block).__name__}) runs forward in training mode, but "
+                "its plan was made with the model in evaluation mode (no dropout, BatchNorm on "
+                "its running statistics), so the plan's memory does not hold for this step: it "
+                "saves what evaluation mode did not. Call model.train() before remat.plan or "
+                "remat.fit and plan again (Hugging Face's from_pretrained returns a model in "
+                "evaluation mode)."
+            )
+
+
 def undo_option(block: nn.Module) -> None:
     """Undo :func:`apply_option` on ``block``: its class's forward, no plan hooks."""
     if is_wrapped(block):
@@ -203,6 +235,7 @@ def undo_option(block: nn.Module) -> None:
         lambda hook: (
             hook is _reset
             or hook is _done
+            or isinstance(hook, RefuseTraining)
             or isinstance(getattr(hook, "__self__", None), Offloaded)
         ),
     )

@@ -623,6 +623,7 @@ class Profiled:
     # Block type -> the type of the blocks its segments cover after their first (see
     # ``Blocks.chained`` in ``profile.py``); absent: its own.
     chained: dict[str, str] = field(default_factory=dict)
+    training: bool = True  # the model's mode when it was profiled
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
     names: list[list[str]] = field(init=False)  # the name of each chain option
@@ -755,6 +756,7 @@ def profile_model(
             for run, t in zip(runs, found.types, strict=True)
         ],
         chained=dict(found.chained),
+        training=model.training,
     )
 
 
@@ -822,6 +824,7 @@ def solve(profiled: Profiled, budget: Any) -> Plan:
             },
         },
         tiers=profiled.tiers,
+        training=profiled.training,
         bandwidths=dict(profiled.bandwidths),
         pareto=curve,
         measured={
