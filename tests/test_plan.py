@@ -209,6 +209,17 @@ def test_malformed_budgets_raise_clear_errors(budget: Any) -> None:
         remat.plan(model, x, budget=budget)
 
 
+def test_a_loss_that_cannot_be_planned_raises_a_clear_error() -> None:
+    model, x, y, _ = _profiled_gpt()
+    with pytest.raises(remat.RematError, match=r"one-element tensor, got a tensor of shape \(2"):
+        remat.plan(model, x, loss_fn=lambda out: out)
+    with pytest.raises(remat.RematError, match="one-element tensor, got float"):
+        remat.plan(model, x, loss_fn=lambda out: _lm_loss(out, y).item())
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    with pytest.raises(remat.RematError, match="the loss does not require grad"):
+        remat.plan(frozen, x, loss_fn=lambda out: _lm_loss(out, y))
+
+
 def test_budget_texts() -> None:
     assert parse_budget("50%", 1000) == 500
     assert parse_budget(0.25, 1000) == 250

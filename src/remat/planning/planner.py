@@ -94,9 +94,21 @@ def _step(
         loss = loss_fn(out) if loss_fn is not None else out.sum()
         del out
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = (
+                f"a tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else type(loss).__name__
+            )
             raise RematError(
-                "remat.plan: loss_fn must return a one-element tensor, got "
-                f"{type(loss).__name__}; pass loss_fn=lambda out: criterion(out, target)."
+                f"remat.plan: loss_fn must return a one-element tensor, got {got}; pass "
+                "loss_fn=lambda out: criterion(out, target)."
+            )
+        if not loss.requires_grad:
+            raise RematError(
+                "remat.plan: the loss does not require grad, so the step saves nothing for "
+                "backward and there is nothing to plan: no parameter the loss depends on has "
+                "requires_grad=True (or the model ran under torch.no_grad()). Plan the model "
+                "as it trains."
             )
         loss.backward()  # type: ignore[no-untyped-call]
 
