@@ -199,9 +199,11 @@ def test_tracker_peak_matches_resident_memory_of_a_fresh_process() -> None:
 
 def test_recording_and_replay_overhead_are_measured_per_op() -> None:
     overhead = measure.engine_overhead(get_workload("gpt", "small"), repeats=60)
-    assert set(overhead) == {"recording_us_per_op", "replay_us_per_op"}
+    assert set(overhead) == {"recording_us_per_op", "replay_us_per_op", "dispatch_mode_us_per_op"}
     # microseconds per op: positive, and not absurd
     assert all(0 < us < 10_000 for us in overhead.values()), overhead
+    # recording runs inside a dispatch mode: it costs more than one that only runs each op
+    assert overhead["recording_us_per_op"] > overhead["dispatch_mode_us_per_op"], overhead
 
 
 def test_strategies_are_timed_next_to_their_counterparts() -> None:

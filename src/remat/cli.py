@@ -207,9 +207,15 @@ def _bench(args: argparse.Namespace) -> int:
         console = Console(width=160)
     console.print(report.table(result))
     if result.recording_us_per_op is not None:
+        floor = result.dispatch_mode_us_per_op
         print(
             f"graph engine recording overhead: {result.recording_us_per_op:.1f} us per ATen op "
-            "(first block of the small size, forward)"
+            "(first block of the small size, forward"
+            + (
+                f"; a Python dispatch mode that only runs each op costs {floor:.1f})"
+                if floor is not None
+                else ")"
+            )
         )
     if result.replay_us_per_op is not None:
         print(
@@ -443,6 +449,7 @@ def _result(
         pairwise_time=timing["pairwise"],
         recording_us_per_op=timing.get("recording_us_per_op"),
         replay_us_per_op=timing.get("replay_us_per_op"),
+        dispatch_mode_us_per_op=timing.get("dispatch_mode_us_per_op"),
         allocator=base["allocator"],
         control_time_ratio=timing["control"]["ratio"],
         control_time_range=(timing["control"]["low"], timing["control"]["high"]),

@@ -237,6 +237,15 @@ def summarize(names: list[str], timed: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+class _Passthrough(EagerMode):
+    """A dispatch mode that only runs each op: the floor under any per-op recording in Python."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
 class _CountOps(EagerMode):
     def __init__(self) -> None:
         super().__init__()
@@ -269,6 +278,8 @@ def engine_overhead(workload: Workload, repeats: int = 300) -> dict[str, float]:
     small tensors the ops are short, so the difference is the engine's own work, not noise in
     the kernels. Times are the process's CPU time with one intra-op thread: the engine's work
     is Python on one thread, and CPU time is not inflated by other processes on the machine.
+    A third, plain forward under a dispatch mode that only runs each op gives the floor that
+    any recording through a Python dispatch mode pays (``dispatch_mode_us_per_op``).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -306,7 +317,9 @@ def _engine_overhead(workload: Workload, repeats: int) -> dict[str, float]:
     counter = _CountOps()
     with counter:
         block(*args, **kwargs)
-    seconds: dict[str, list[float]] = {k: [] for k in ("fwd", "bwd", "rec", "replay", "bare")}
+    seconds: dict[str, list[float]] = {
+        k: [] for k in ("fwd", "bwd", "rec", "replay", "bare", "mode")
+    }
 
     def step(module: nn.Module, forward: str, backward: str) -> None:
         torch.manual_seed(0)
@@ -325,11 +338,16 @@ def _engine_overhead(workload: Workload, repeats: int) -> dict[str, float]:
             start = time.process_time()
             block(*args, **kwargs)
             seconds["bare"].append(time.process_time() - start)
+            start = time.process_time()
+            with _Passthrough():
+                block(*args, **kwargs)
+            seconds["mode"].append(time.process_time() - start)
     median = {k: statistics.median(v) for k, v in seconds.items()}
     ops = max(counter.count, 1)
     return {
         "recording_us_per_op": 1e6 * (median["rec"] - median["fwd"]) / ops,
         "replay_us_per_op": 1e6 * (median["replay"] - median["bwd"] - median["bare"]) / ops,
+        "dispatch_mode_us_per_op": 1e6 * (median["mode"] - median["bare"]) / ops,
     }
 
 

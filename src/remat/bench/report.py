@@ -71,6 +71,8 @@ class Result:
     pairwise_time: dict[str, float]
     recording_us_per_op: float | None = None
     replay_us_per_op: float | None = None  # the graph engine's Python per op it replays
+    # A dispatch mode that only runs each op, per op in forward: the floor under recording.
+    dispatch_mode_us_per_op: float | None = None
     allocator: str = "cached"  # see ``remat bench --allocator``
     # The plain step against a second plain model timed next to it in every round: the median
     # ratio, and its lowest and highest round (see ``measure.times``).

@@ -20,13 +20,14 @@ NOTE [ The mode a plan was made in ]
 A plan measures the step in the mode the model is in. In evaluation mode dropout saves no masks
 and BatchNorm uses its running statistics, so a plan made there holds less than a training
 step saves: applied to a model that then trains in training mode, its peak can be twice the
-budget (the small GPT of ``remat bench`` at 40%: 251272 bytes against a budget of 121347), with exact gradients
-and nothing else to show for it. ``from_pretrained`` of Hugging Face returns a model in
-evaluation mode, so this is the mistake a user meets first. A plan records the mode
-(``Plan.training``); one made in evaluation mode puts a :class:`RefuseTraining` pre-hook on
-each block, and a forward in training mode with gradients raises. A plan made in training mode
-needs no check: evaluation mode saves no more than it, and a model trained in evaluation mode
-on purpose (frozen BatchNorm statistics) is planned and run in that mode.
+budget (the small GPT of ``remat bench`` at 40%: 251272 bytes against a budget of 121347),
+with exact gradients and nothing else to show for it. ``from_pretrained`` of Hugging Face
+returns a model in evaluation mode, so this is the mistake a user meets first. A plan records
+the mode (``Plan.training``); one made in evaluation mode puts a :class:`RefuseTraining`
+pre-hook on each block, and a forward in training mode with gradients raises. A plan made in
+training mode needs no check: evaluation mode saves less (no dropout masks), and a model
+trained in evaluation mode on purpose (frozen BatchNorm statistics) is planned and run in that
+mode.
 
 NOTE [ Segments on the model ]
 
