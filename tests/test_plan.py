@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
 from typing import Any
 
 import pytest
@@ -309,6 +310,27 @@ def test_a_changed_forward_stays_exact_and_is_reported() -> None:
     report = plan.report()
     assert "not in the plan" in report and "aten.sigmoid" in report
     assert all(p.unfollowed > 0 and p.followed > 0 for p in plan.policies)
+
+
+def test_larger_inputs_than_planned_are_followed_exactly_with_one_warning() -> None:
+    """The plan's keys name no shapes, so a larger batch follows it, exactly, but holds more
+    than its budget: the first larger one warns, once; smaller ones do not."""
+    model, x, y = _gpt()
+    plan = remat.plan(model, x, budget="60%", loss_fn=lambda o: _lm_loss(o, y), repeats=0)
+    assert plan.measured["input_bytes"] == 2 * 16 * 16 * 4  # the first block's hidden states
+    planned = plan.apply(copy.deepcopy(model))
+    small = [(x[:1], y[:1])]
+    large = [(torch.cat([x, x]), torch.cat([y, y]))] * 2
+    assert_records_equal(train(model, small, _lm_loss), train(planned, small, _lm_loss))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = train(planned, large, _lm_loss)  # two steps, one warning
+    assert [str(w.message)[:54] for w in caught] == [
+        "remat: blocks.0 got inputs of 4.0 KiB where the plan w"
+    ]
+    assert_records_equal(train(model, large, _lm_loss), got)
+    remat.unapply(planned)
+    assert all(not m._forward_pre_hooks for m in planned.modules())
 
 
 def test_bench_auto_strategy_reports_its_prediction() -> None:

@@ -17,7 +17,14 @@ from torch import nn
 from ..errors import RematError
 from ..modules import guard_hf_checkpointing
 from ._budget import fmt_bytes
-from .apply import OFFLOADS, PlanPolicy, RefuseTraining, apply_option, apply_segment
+from .apply import (
+    OFFLOADS,
+    LargerInputs,
+    PlanPolicy,
+    RefuseTraining,
+    apply_option,
+    apply_segment,
+)
 
 __all__ = ["Plan"]
 
@@ -130,6 +137,12 @@ class Plan:
             )
             if policy is not None:
                 self.policies.append(policy)
+        measured_inputs = self.measured.get("input_bytes")
+        if measured_inputs and self.blocks:
+            path = self.blocks[0]["path"]
+            model.get_submodule(path).register_forward_pre_hook(
+                LargerInputs(path, measured_inputs, self.budget), with_kwargs=True
+            )
         if not self.training:
             for block in self.blocks:
                 path = block["path"]

@@ -13,7 +13,9 @@ A forward that differs from the profiled one (other shapes, another branch) stay
 whose key the plan does not know is kept (keeping is always exact; so is recomputing), and the
 policy counts it. The first call that meets such ops warns once per policy, naming how many ops
 it could not follow and one of their keys; ``Plan.report()`` shows the counts next to the
-prediction.
+prediction. Larger inputs than the profiled ones follow the plan (its keys do not name shapes)
+but hold more than it predicted: a pre-hook on the first block (:class:`LargerInputs`) warns
+once when that block's tensor inputs have more bytes than in the profiled step.
 
 NOTE [ The mode a plan was made in ]
 
@@ -81,6 +83,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .. import _state
 from ..checkpoint import LinkedCalls
@@ -89,6 +92,7 @@ from ..modules import checkpoint_wrapper, is_wrapped, remove_hooks
 from ..policies import Decision, OpContext, recompute_everything
 from ..store import offload
 from ..store.scope import _NAMES
+from ._budget import fmt_bytes
 from .profile import KeyCounter
 
 __all__ = ["Linked", "LinkedForward", "PlanPolicy", "Segment", "SegmentForward"]
@@ -227,6 +231,38 @@ class RefuseTraining:
             )
 
 
+class LargerInputs:
+    """A forward pre-hook on a plan's first block: warns once when the block gets larger
+    inputs than the profiled step gave it (see NOTE [ Following a plan ])."""
+
+    def __init__(self, path: str, measured: int, budget: int) -> None:
+        self.path, self.measured, self.budget = path, measured, budget
+        self.warned = False
+
+    def __call__(self, block: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.warned or not torch.is_grad_enabled():
+            return
+        got = input_bytes((args, kwargs))
+        if got > self.measured:
+            self.warned = True
+            warnings.warn(
+                f"remat: {self.path} got inputs of {fmt_bytes(got)} where the plan was measured "
+                f"with {fmt_bytes(self.measured)}; activation memory grows with them, so the "
+                f"plan's budget of {fmt_bytes(self.budget)} does not hold for this step "
+                "(gradients stay exact). Plan with the largest batch you train on.",
+                stacklevel=2,
+            )
+
+
+def input_bytes(inputs: Any) -> int:
+    """Bytes of the tensors among ``inputs`` (a pytree)."""
+    return sum(
+        t.numel() * t.element_size()
+        for t in pytree.tree_leaves(inputs)
+        if isinstance(t, torch.Tensor)
+    )
+
+
 def undo_option(block: nn.Module) -> None:
     """Undo :func:`apply_option` on ``block``: its class's forward, no plan hooks."""
     if is_wrapped(block):
@@ -236,7 +272,7 @@ def undo_option(block: nn.Module) -> None:
         lambda hook: (
             hook is _reset
             or hook is _done
-            or isinstance(hook, RefuseTraining)
+            or isinstance(hook, (RefuseTraining, LargerInputs))
             or isinstance(getattr(hook, "__self__", None), Offloaded)
         ),
     )

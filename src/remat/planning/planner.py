@@ -49,7 +49,14 @@ from .. import modules
 from ..errors import RematError
 from ._budget import fmt_bytes, parse_budget
 from ._plan import Option, Plan, fingerprint, segments
-from .apply import OFFLOADS, apply_option, apply_segment, undo_option, undo_segment
+from .apply import (
+    OFFLOADS,
+    apply_option,
+    apply_segment,
+    input_bytes,
+    undo_option,
+    undo_segment,
+)
 from .cost import PlainStep, measure_memory, measure_plain_step, measure_seconds, peak_bytes
 from .profile import BlockProfile, capture, find_blocks, first_tensor, fresh_inputs, profile_block
 from .solve import (
@@ -636,6 +643,7 @@ class Profiled:
     # ``Blocks.chained`` in ``profile.py``); absent: its own.
     chained: dict[str, str] = field(default_factory=dict)
     training: bool = True  # the model's mode when it was profiled
+    input_bytes: int = 0  # of the tensors the first block got
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
     names: list[list[str]] = field(init=False)  # the name of each chain option
@@ -769,6 +777,7 @@ def profile_model(
         ],
         chained=dict(found.chained),
         training=model.training,
+        input_bytes=input_bytes(found.inputs[paths[0]]),
     )
 
 
@@ -843,6 +852,7 @@ def solve(profiled: Profiled, budget: Any) -> Plan:
             "profile_seconds": profiled.profile_seconds,
             "plain_kept": plain.kept,
             "plain_backward_peaks": plain.backward_peaks,
+            "input_bytes": profiled.input_bytes,
         },
     )
 
