@@ -192,7 +192,12 @@ def _fit(
         )
     for name in layers:
         model.get_submodule(name).register_forward_pre_hook(_drop_cache, with_kwargs=True)
-    fit(model, example_inputs, budget=budget, loss_fn=loss_fn, blocks=layers, **options)
+    try:
+        fit(model, example_inputs, budget=budget, loss_fn=loss_fn, blocks=layers, **options)
+    except BaseException:
+        for name in layers:  # a failed plan leaves the model as it was
+            modules.remove_hooks(model.get_submodule(name), lambda hook: hook is _drop_cache)
+        raise
     return model
 
 

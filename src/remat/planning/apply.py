@@ -225,9 +225,9 @@ class RefuseTraining:
                 f"remat: {self.path} ({type(block).__name__}) runs forward in training mode, but "
                 "its plan was made with the model in evaluation mode (no dropout, BatchNorm on "
                 "its running statistics), so the plan's memory does not hold for this step: it "
-                "saves what evaluation mode did not. Call model.train() before remat.plan or "
-                "remat.fit and plan again (Hugging Face's from_pretrained returns a model in "
-                "evaluation mode)."
+                "saves what evaluation mode did not. Call model.train() before planning "
+                "(remat.plan, remat.fit, remat.hf.enable with budget=) and plan again (Hugging "
+                "Face's from_pretrained returns a model in evaluation mode)."
             )
 
 

@@ -164,10 +164,10 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
 
 
 def _refuse_cache(path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
-    """Raise when a block trains with a key/value cache: each replay of the block, in
-    profiling and in backward, would append to the cache again (see NOTE [ Key/value caches in
-    training ] in ``hf.py``)."""
-    if not (module.training and torch.is_grad_enabled()):
+    """Raise when a block runs with a key/value cache in the profiled step: each replay of the
+    block, in profiling and in backward, would append to the cache again (see NOTE [ Key/value
+    caches in training ] in ``hf.py``)."""
+    if not torch.is_grad_enabled():
         return
     found = cache_arguments(module, args, kwargs)
     if found is None:
@@ -177,12 +177,21 @@ def _refuse_cache(path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
         f"{name}={type(bound.arguments[name]).__name__}" if name != "use_cache" else
         "use_cache=True" for name in on
     )  # fmt: skip
+    if module.training:
+        fix = (
+            "Pass use_cache=False to the model, in example_inputs and in training, or plan with "
+            "remat.hf.enable(model, budget=..., example_inputs=..., loss_fn=...), which drops "
+            "the cache while training as Hugging Face's gradient checkpointing does."
+        )
+    else:
+        fix = (
+            "The model is in evaluation mode, where Hugging Face models keep their cache (and "
+            "remat.hf.enable does not drop it); call model.train() before planning a training "
+            "step."
+        )
     raise RematError(
-        f"remat.plan: block {path!r} ({type(module).__name__}) trains with a key/value cache "
-        f"({given}); a replay of the block would append to the cache a second time. Pass "
-        "use_cache=False to the model, in example_inputs and in training, or plan with "
-        "remat.hf.enable(model, budget=..., example_inputs=..., loss_fn=...), which drops the "
-        "cache while training as Hugging Face's gradient checkpointing does."
+        f"remat.plan: block {path!r} ({type(module).__name__}) runs with a key/value cache "
+        f"({given}); a replay of the block would append to the cache a second time. {fix}"
     )
 
 
