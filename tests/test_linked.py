@@ -112,6 +112,34 @@ def test_linked_calls_are_exact_and_recompute_each_block_once() -> None:
     assert_equal(_state(plain), _state(linked))  # BatchNorm statistics updated once
 
 
+@pytest.mark.parametrize("order", ["summed", "second-first"])
+def test_two_forwards_before_a_backward_each_recompute_their_own_chain(order: str) -> None:
+    """Gradient accumulation with both micro-batches' forwards first: each forward makes its
+    own chain, and each backward recomputes its own, once, from its own input and generators,
+    whichever order the backwards run in."""
+    plain, linked = _pair()
+    x, mask = _inputs()
+    batches = (x, x.flip(0) * 2)
+
+    def run(model: _Model) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        leaves = [_leaf(b) for b in batches]
+        losses = [model(leaf, mask).square().sum() for leaf in leaves]
+        if order == "summed":
+            (losses[0] + losses[1]).backward()
+        else:
+            losses[1].backward()
+            losses[0].backward()
+        return [*losses, *(leaf.grad for leaf in leaves)]  # type: ignore[misc]
+
+    expected = run(plain)
+    got = run(linked)
+    assert _calls(linked) == [4, 4, 4, 4]  # two forwards, two recomputes: each block once each
+    assert linked.chain is not None and linked.chain.broken == 0
+    assert_equal(expected, got)
+    assert_equal(_state(plain), _state(linked))  # BatchNorm statistics: once per forward
+
+
 def test_only_the_first_calls_input_is_saved() -> None:
     """The outputs that link the calls are freed after forward, as their activations are; a
     region per block keeps each one as the next block's input."""
