@@ -125,11 +125,15 @@ def test_measured_peak_never_rises_as_the_budget_shrinks() -> None:
     assert peaks == sorted(peaks, reverse=True)
 
 
-def test_fit_with_batchnorm_and_dropout_is_exact() -> None:
+def _convnet(training: bool = True) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The ConvNet (BatchNorm, dropout) in ``training`` mode, a batch and its targets."""
     torch.manual_seed(0)
-    model = _ConvNet().train()
-    x = torch.randn(2, 3, 16, 16)
-    target = torch.randint(0, 5, (2,))
+    model = _ConvNet().train(training)
+    return model, torch.randn(2, 3, 16, 16), torch.randint(0, 5, (2,))
+
+
+def test_fit_with_batchnorm_and_dropout_is_exact() -> None:
+    model, x, target = _convnet()
     loss_fn = nn.functional.cross_entropy
     before = copy.deepcopy(model)
     fitted = copy.deepcopy(model)
@@ -165,10 +169,7 @@ def test_a_plan_made_in_evaluation_mode_refuses_a_training_forward(tmp_path: Any
     a plan holds less than a training step saves: trained in training mode it would exceed its
     budget with nothing to show for it. Its blocks refuse a training-mode forward; in
     evaluation mode (frozen BatchNorm training, validation) it runs, exact."""
-    torch.manual_seed(0)
-    model = _ConvNet().eval()
-    x = torch.randn(2, 3, 16, 16)
-    target = torch.randint(0, 5, (2,))
+    model, x, target = _convnet(training=False)
     loss_fn = nn.functional.cross_entropy
     plain = copy.deepcopy(model)
     plan = remat.fit(model, x, budget="70%", loss_fn=lambda o: loss_fn(o, target), repeats=0)
@@ -189,7 +190,7 @@ def test_a_plan_made_in_evaluation_mode_refuses_a_training_forward(tmp_path: Any
     model(x).sum().backward()
 
     # Planned in training mode: nothing to refuse in either mode.
-    trained = remat.fit(_ConvNet().train(), x, budget="70%", loss_fn=lambda o: loss_fn(o, target))
+    trained = remat.fit(_convnet()[0], x, budget="70%", loss_fn=lambda o: loss_fn(o, target))
     assert trained.training and "evaluation mode" not in trained.summary()
 
 
