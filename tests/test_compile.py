@@ -261,3 +261,30 @@ def test_compiled_region_writes_batchnorm_statistics_once_and_refuses_must_offlo
     failed = torch._dynamo.exc.BackendCompilerFailed
     with pytest.raises(failed, match=r"RematError: remat: .* under torch\.compile a region cannot"):
         torch.compile(refused, backend="aot_eager")(x)
+
+
+def test_a_compiled_plan_checks_its_mode_and_takes_other_batch_sizes() -> None:
+    """A plan's pre-hooks under torch.compile: the first block's check of its input bytes is
+    left to eager mode (a recompiled step's shapes are symbolic), so a larger batch runs exact;
+    a plan made in evaluation mode still refuses a training forward."""
+    torch.manual_seed(0)
+    model = Model("plain").train()
+    plain = copy.deepcopy(model)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    plan = remat.fit(model, x, budget="90%", loss_fn=lambda out: out.square().sum(), repeats=0)
+    assert [b["option"] for b in plan.blocks] == ["region", "plain"], plan.summary()
+    compiled = torch.compile(model, backend="aot_eager")
+    for batch in (x, torch.cat([x, x, x])):  # the second recompiles with a symbolic batch
+        b1, b2 = batch.clone().requires_grad_(), batch.clone().requires_grad_()
+        plain.zero_grad(), model.zero_grad()
+        expected = grads(plain, b1, plain(b1).square().sum())
+        got = grads(model, b2, compiled(b2).square().sum())
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+    model.eval()
+    remat.unapply(model)
+    torch._dynamo.reset()
+    remat.fit(model, x, budget="90%", loss_fn=lambda out: out.square().sum(), repeats=0)
+    model.train()
+    with pytest.raises(remat.RematError, match="plan was made with the model in evaluation"):
+        torch.compile(model, backend="aot_eager")(x)

@@ -15,7 +15,8 @@ policy counts it. The first call that meets such ops warns once per policy, nami
 it could not follow and one of their keys; ``Plan.report()`` shows the counts next to the
 prediction. Larger inputs than the profiled ones follow the plan (its keys do not name shapes)
 but hold more than it predicted: a pre-hook on the first block (:class:`LargerInputs`) warns
-once when that block's tensor inputs have more bytes than in the profiled step.
+once when that block's tensor inputs have more bytes than in the profiled step (in eager mode:
+a compiled step is not checked).
 
 NOTE [ The mode a plan was made in ]
 
@@ -240,8 +241,8 @@ class LargerInputs:
         self.warned = False
 
     def __call__(self, block: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.warned or not torch.is_grad_enabled():
-            return
+        if self.warned or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return  # (a compiled step's shapes may be symbolic: it is not checked)
         got = input_bytes((args, kwargs))
         if got > self.measured:
             self.warned = True
