@@ -127,7 +127,7 @@ class PlanPolicy:
             self.warned = True
             warnings.warn(
                 f"remat: the plan for {self.block or 'a block'} could not follow "
-                f"{len(self.unknown)} op(s) of its forward (first: {self.unknown[0]}), which "
+                f"{self.unfollowed} op(s) of its forward (first: {self.unknown[0]}), which "
                 "ran differently from the profiled one; they are kept, gradients stay exact. "
                 "Plan again for this forward, or see plan.report().",
                 stacklevel=2,
