@@ -248,6 +248,28 @@ def test_plan_file_round_trip(tmp_path: Any) -> None:
     assert loaded == plan
 
 
+def test_a_model_already_under_remat_is_refused_by_plan_and_apply() -> None:
+    """Planned twice, a model would be profiled with its first plan running (measured as the
+    plain step), and applied twice, its blocks would fail half-way (a region wrapped twice):
+    both say to undo first, before changing anything."""
+    model, x, y = _gpt()
+    loss_fn = lambda o: _lm_loss(o, y)  # noqa: E731
+    plan = remat.fit(model, x, budget="60%", loss_fn=loss_fn, repeats=0)
+    state = [(n, type(m.__dict__.get("forward"))) for n, m in model.named_modules()]
+    with pytest.raises(remat.RematError, match=r"^remat.plan: blocks\.0 of GPT already runs "):
+        remat.plan(model, x, budget="90%", loss_fn=loss_fn, repeats=0)
+    with pytest.raises(remat.RematError, match=r"^Plan.apply: .* remat.unapply\(model\)"):
+        plan.apply(model)
+    assert [(n, type(m.__dict__.get("forward"))) for n, m in model.named_modules()] == state
+    remat.unapply(model)
+    plan.apply(model)  # undone, it applies again
+
+    other, _, _ = _gpt()
+    remat.apply(other, lambda name, m: name == "blocks.2", policy=remat.policies.save_matmuls)
+    with pytest.raises(remat.RematError, match=r"^remat.plan: blocks\.2 of GPT already runs "):
+        remat.plan(other, x, budget="90%", loss_fn=loss_fn, repeats=0)
+
+
 def test_a_plan_refuses_another_model(tmp_path: Any) -> None:
     from remat.planning.planner import solve
 

@@ -24,6 +24,7 @@ from .apply import (
     RefuseTraining,
     apply_option,
     apply_segment,
+    refuse_set_up,
 )
 
 __all__ = ["Plan"]
@@ -123,6 +124,7 @@ class Plan:
     def apply(self, model: nn.Module) -> nn.Module:
         """Set ``model``'s blocks up as planned, in place; returns ``model``."""
         check_fingerprint(self.fingerprint, fingerprint(model, [b["path"] for b in self.blocks]))
+        refuse_set_up("Plan.apply", model, "a plan sets up a model that runs plainly")
         self.policies = []
         first = {b["path"]: b for b in self.blocks}
         for paths in segments(self.blocks):

@@ -368,6 +368,42 @@ def undo_segment_on(module: nn.Module) -> None:
             module.forward = forward.previous
 
 
+def _plan_hook(hook: Any) -> bool:
+    """Whether ``hook`` is one a plan puts on a block."""
+    owner = getattr(hook, "__self__", None)
+    return (
+        hook is _reset
+        or hook is _done
+        or isinstance(hook, (RefuseTraining, LargerInputs))
+        or isinstance(owner, (Offloaded, Segment))
+    )
+
+
+def set_up(model: nn.Module) -> str | None:
+    """The path of the first module of ``model`` that remat runs (a region, a plan's policy,
+    segment or offload scope), or ``None``."""
+    path: str
+    for path, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if is_wrapped(module) or isinstance(forward, (LinkedForward, SegmentForward)):
+            return path
+        hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+        if any(_plan_hook(hook) for hook in hooks):
+            return path
+    return None
+
+
+def refuse_set_up(caller: str, model: nn.Module, why: str) -> None:
+    """Raise when remat already runs somewhere in ``model`` (see :func:`set_up`)."""
+    path = set_up(model)
+    if path is not None:
+        raise RematError(
+            f"{caller}: {path or type(model).__name__} of {type(model).__name__} already runs "
+            f"under remat (remat.apply, remat.hf.enable or a plan); {why}. Call "
+            "remat.unapply(model) (or remat.hf.disable(model)) first."
+        )
+
+
 def undo_all(model: nn.Module) -> None:
     """Undo every option and segment a plan set up on ``model`` and the modules inside it."""
     for module in model.modules():

@@ -54,6 +54,7 @@ from .apply import (
     apply_option,
     apply_segment,
     input_bytes,
+    refuse_set_up,
     undo_option,
     undo_segment,
 )
@@ -988,6 +989,9 @@ def plan(
             "the profile would measure its recompute as the plain step, and the plan run around it"
         )
         modules.refuse_hf_checkpointing("remat.plan", model, why, ": the plan replaces it")
+        refuse_set_up(
+            "remat.plan", model, "the profile would measure remat's step as the plain one"
+        )
     profiled = profile_model(
         model, example_inputs, loss_fn, blocks=blocks, tiers=tiers, points=points, repeats=repeats
     )
