@@ -163,16 +163,16 @@ def test_policy_offload_must_is_refused_under_compile_and_prefer_is_saved() -> N
         return Decision.MUST_OFFLOAD_HOST
 
     aten = torch.ops.aten
-    assert torch_policy(prefer, "", None, aten.mm.default) is CheckpointPolicy.PREFER_SAVE
-    assert torch_policy(save_matmuls, "", None, aten.sin.default) is (
+    assert torch_policy(prefer, "", None, None, aten.mm.default) is CheckpointPolicy.PREFER_SAVE
+    assert torch_policy(save_matmuls, "", None, None, aten.sin.default) is (
         CheckpointPolicy.PREFER_RECOMPUTE
     )
     # Data-dependent ops are saved whatever a PREFER_ policy says, as in eager.
-    assert torch_policy(save_matmuls, "", None, aten.nonzero.default) is (
+    assert torch_policy(save_matmuls, "", None, None, aten.nonzero.default) is (
         CheckpointPolicy.MUST_SAVE
     )
     with pytest.raises(remat.RematError, match="cannot offload"):
-        torch_policy(must, "", None, aten.mm.default)
+        torch_policy(must, "", None, None, aten.mm.default)
 
 
 class NormBlock(nn.Module):
@@ -288,3 +288,42 @@ def test_a_compiled_plan_checks_its_mode_and_takes_other_batch_sizes() -> None:
     model.train()
     with pytest.raises(remat.RematError, match="plan was made with the model in evaluation"):
         torch.compile(model, backend="aot_eager")(x)
+
+
+def test_a_policy_sees_each_ops_module_under_compile_as_in_eager() -> None:
+    """Under compile the module an op ran in comes from the trace's ``nn_module_stack``: a
+    policy reads the same names as in eager mode, and a block planned per op finds its
+    decisions (keyed by module), so it saves what the plan says, with exact gradients."""
+    seen: dict[str, list[str]] = {"eager": [], "compiled": []}
+    where = ["eager"]
+
+    def noting(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        seen[where[0]].append(ctx.module)
+        return Decision.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    model = remat.apply(Model("plain"), Block, policy=noting)
+    x = torch.randn(4, 8)
+    model(x)
+    where[0] = "compiled"
+    torch.compile(model, backend="aot_eager")(x)
+    assert seen["eager"] == ["blocks.0.l1"] * 2 + ["blocks.0"] * 2 + ["blocks.0.l2"] * 2 + [
+        "blocks.0"
+    ] + ["blocks.1.l1"] * 2 + ["blocks.1"] * 2 + ["blocks.1.l2"] * 2 + ["blocks.1"]
+    assert set(seen["compiled"]) == set(seen["eager"])
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Model("plain").train()
+    plain = copy.deepcopy(model)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    plan = remat.plan(model, x, budget="70%", loss_fn=lambda out: out.square().sum(), repeats=0)
+    assert [b["option"] for b in plan.blocks] == ["graph-2", "plain"], plan.summary()
+    plan.apply(model)
+    plain_x, x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    _, plain_bytes = saved_bytes(lambda: torch.compile(plain, backend="aot_eager")(plain_x))
+    loss, nbytes = saved_bytes(lambda: torch.compile(model, backend="aot_eager")(x).sum())
+    assert [(p.followed, p.unfollowed) for p in plan.policies] == [(14, 0)]  # two traced passes
+    assert nbytes < plain_bytes  # every op recomputed as planned, none kept for lack of a key
+    expected = grads(plain, plain_x, plain(plain_x).sum())
+    assert all(torch.equal(a, b) for a, b in zip(grads(model, x, loss), expected, strict=True))

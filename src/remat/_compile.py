@@ -20,8 +20,15 @@ NOTE [ Regions under torch.compile ]
      prefers, as in eager; ``MUST_RECOMPUTE`` on it raises;
    - ``PREFER_OFFLOAD_*`` becomes ``PREFER_SAVE`` (the compiled graph holds its tensors in
      device memory); ``MUST_OFFLOAD_*`` raises, naming the op;
-   - the policy sees an ``OpContext`` with the region's module name, no tags, no attention
-     flag and ``output_bytes=None`` (the compiler asks before the op runs).
+   - the policy sees an ``OpContext`` with no tags, no attention flag and
+     ``output_bytes=None`` (the compiler asks before the op runs). Its ``module`` is the
+     module the op ran in, named as the eager graph engine names it, for a module's region
+     (``checkpoint_wrapper``, ``remat.apply``, a plan): the trace's ``nn_module_stack`` keys
+     each module by ``str(id(module))``, which the region's table of its modules, made when
+     it was wrapped, turns into the name. Modules added after wrapping, and function
+     regions, get the region's name. A policy that counts ops within a call (a plan's) starts
+     afresh at each traced pass of the region (the ``context_fn`` runs once per pass; the
+     compiler traces a region twice).
 
 3. What the compiler does differs from remat's eager engines in these ways: module state
    written in forward (BatchNorm statistics) is written as torch's compiled checkpoint writes
@@ -76,12 +83,60 @@ _TO_TORCH = {
 }
 
 
+# A region's modules for rule 2 of [ Regions under torch.compile ]: the root's name, and
+# (str(id(module)), its path below the root) for the root ("") and each module inside it.
+ModuleNames = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def module_names(module: torch.nn.Module) -> tuple[tuple[str, str], ...]:
+    """The ``(str(id), path)`` pairs of ``module`` and the modules inside it."""
+    return tuple((str(id(m)), name) for name, m in module.named_modules())
+
+
+@functools.lru_cache(maxsize=256)
+def _by_id(names: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    return dict(names)
+
+
+def _op_module(region: str, names: ModuleNames | None) -> str:
+    """The qualified name of the module the op being traced ran in, as the eager graph engine
+    names it, from the trace's ``nn_module_stack`` (keyed by ``str(id(module))``); the
+    region's name where the stack names no module of the region."""
+    if names is None:
+        return region
+    root, pairs = names
+    meta = torch.fx.traceback.get_current_meta()
+    stack = meta.get("nn_module_stack") if meta else None
+    if stack:
+        paths = _by_id(pairs)
+        for key in reversed(list(stack)):
+            path = paths.get(key)
+            if path is not None:
+                return f"{region}.{path}" if region and path else path or root
+    return region
+
+
+def _selective_contexts(policy: Any, policy_fn: Callable[..., Any]) -> Any:
+    """The selective-checkpoint contexts of one traced pass of a region: a policy that counts
+    ops within a call (a plan's, ``_remat_counts_calls``) starts counting afresh, as its block's
+    pre-hook makes it do in eager mode."""
+    if getattr(policy, "_remat_counts_calls", False):
+        policy.reset()
+    return create_selective_checkpoint_contexts(policy_fn)  # type: ignore[no-untyped-call]
+
+
 def torch_policy(
-    policy: Callable[..., Any], module: str, ctx: Any, op: Any, *args: Any, **kwargs: Any
+    policy: Callable[..., Any],
+    module: str,
+    names: ModuleNames | None,
+    ctx: Any,
+    op: Any,
+    *args: Any,
+    **kwargs: Any,
 ) -> CheckpointPolicy:
-    """``policy`` as a torch selective-checkpoint ``policy_fn`` (bind the first two arguments
-    with ``functools.partial``); see rule 2 of [ Regions under torch.compile ]."""
-    answer = policy(OpContext(module=module), op, *args, **kwargs)
+    """``policy`` as a torch selective-checkpoint ``policy_fn`` (bind the first three
+    arguments with ``functools.partial``); see rule 2 of [ Regions under torch.compile ]."""
+    answer = policy(OpContext(module=_op_module(module, names)), op, *args, **kwargs)
     decision = as_decision(answer, policy, op)
     if decision.offload is not None and decision.must:
         raise RematError(
@@ -112,9 +167,10 @@ def lower(
     context_fn: Callable[[], Any] | None = None,
     offload_inputs: bool = False,
     module: str = "",
+    names: ModuleNames | None = None,
 ) -> Any:
     """Run a region as torch's checkpoint, for Dynamo to trace; see [ Regions under
-    torch.compile ]."""
+    torch.compile ]. ``names`` are the region's modules, for a module's region."""
     if not torch.is_grad_enabled() or _state.state.disabled:
         return function(*args, **kwargs)
     if offload_inputs:
@@ -130,8 +186,8 @@ def lower(
         if context_fn is not None:
             raise RematError("remat: a region takes a policy or a context_fn, not both; drop one.")
         # Partials of plain functions, so that Dynamo takes the context_fn as a constant.
-        policy_fn = functools.partial(torch_policy, policy, module)
-        context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+        policy_fn = functools.partial(torch_policy, policy, module, names)
+        context_fn = functools.partial(_selective_contexts, policy, policy_fn)
     options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
     if context_fn is not None:
         options["context_fn"] = context_fn

@@ -108,6 +108,8 @@ class PlanPolicy:
 
     # What it reads besides the op (see ``policies._fields``): no attention tracking needed.
     _remat_reads: ClassVar[frozenset[str]] = frozenset({"module", "tags"})
+    # Counts ops within a call: under torch.compile, reset at each traced pass of its region.
+    _remat_counts_calls: ClassVar[bool] = True
 
     decisions: dict[str, str]
     block: str = ""
