@@ -28,6 +28,7 @@ block's forward and backward, the option against plain).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 import statistics
@@ -80,6 +81,11 @@ def timeline(step: Callable[[_Marks], Any], device: torch.device) -> Timeline:
 
     marks = _Marks(device)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    # Garbage of earlier work is collected first and the collector held off during the step:
+    # a collection inside it would run finalizers whose allocations count as the step's.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     with _without_kineto_notices():
         prof.start()
     try:
@@ -87,6 +93,8 @@ def timeline(step: Callable[[_Marks], Any], device: torch.device) -> Timeline:
     finally:
         with _without_kineto_notices():
             prof.stop()
+        if collecting:
+            gc.enable()
     profiler: Any = prof.profiler  # its kineto results are set once it has stopped
     events = [e for e in profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
