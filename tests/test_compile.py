@@ -263,15 +263,22 @@ def test_compiled_region_writes_batchnorm_statistics_once_and_refuses_must_offlo
         torch.compile(refused, backend="aot_eager")(x)
 
 
-def test_a_compiled_plan_checks_its_mode_and_takes_other_batch_sizes() -> None:
-    """A plan's pre-hooks under torch.compile: the first block's check of its input bytes is
-    left to eager mode (a recompiled step's shapes are symbolic), so a larger batch runs exact;
-    a plan made in evaluation mode still refuses a training forward."""
+def _planned(budget: str) -> tuple[nn.Module, nn.Module, torch.Tensor, remat.Plan]:
+    """Two blocks, a plain copy, a batch, and the blocks' plan for ``budget`` (not applied)."""
     torch.manual_seed(0)
     model = Model("plain").train()
     plain = copy.deepcopy(model)
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
-    plan = remat.fit(model, x, budget="90%", loss_fn=lambda out: out.square().sum(), repeats=0)
+    plan = remat.plan(model, x, budget=budget, loss_fn=lambda out: out.square().sum(), repeats=0)
+    return model, plain, x, plan
+
+
+def test_a_compiled_plan_checks_its_mode_and_takes_other_batch_sizes() -> None:
+    """A plan's pre-hooks under torch.compile: the first block's check of its input bytes is
+    left to eager mode (a recompiled step's shapes are symbolic), so a larger batch runs exact;
+    a plan made in evaluation mode still refuses a training forward."""
+    model, plain, x, plan = _planned("90%")
+    plan.apply(model)
     assert [b["option"] for b in plan.blocks] == ["region", "plain"], plan.summary()
     compiled = torch.compile(model, backend="aot_eager")
     for batch in (x, torch.cat([x, x, x])):  # the second recompiles with a symbolic batch
@@ -313,11 +320,7 @@ def test_a_policy_sees_each_ops_module_under_compile_as_in_eager() -> None:
     assert set(seen["compiled"]) == set(seen["eager"])
 
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = Model("plain").train()
-    plain = copy.deepcopy(model)
-    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
-    plan = remat.plan(model, x, budget="70%", loss_fn=lambda out: out.square().sum(), repeats=0)
+    model, plain, x, plan = _planned("70%")
     assert [b["option"] for b in plan.blocks] == ["graph-2", "plain"], plan.summary()
     plan.apply(model)
     plain_x, x = x.clone().requires_grad_(), x.clone().requires_grad_()
