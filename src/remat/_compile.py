@@ -24,11 +24,11 @@ NOTE [ Regions under torch.compile ]
      ``output_bytes=None`` (the compiler asks before the op runs). Its ``module`` is the
      module the op ran in, named as the eager graph engine names it, for a module's region
      (``checkpoint_wrapper``, ``remat.apply``, a plan): the trace's ``nn_module_stack`` keys
-     each module by ``str(id(module))``, which the region's table of its modules, made when
-     it was wrapped, turns into the name. Modules added after wrapping, and function
-     regions, get the region's name. A policy that counts ops within a call (a plan's) starts
-     afresh at each traced pass of the region (the ``context_fn`` runs once per pass; the
-     compiler traces a region twice).
+     each module by ``str(id(module))``, which the region's table of its modules, made at
+     its first compiled call, turns into the name. Modules added after that call, and
+     function regions, get the region's name. A policy that counts ops within a call (a
+     plan's) starts afresh at each traced pass of the region (the ``context_fn`` runs once
+     per pass; the compiler traces a region twice).
 
 3. What the compiler does differs from remat's eager engines in these ways: module state
    written in forward (BatchNorm statistics) is written as torch's compiled checkpoint writes

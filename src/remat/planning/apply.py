@@ -270,14 +270,16 @@ def undo_option(block: nn.Module) -> None:
     """Undo :func:`apply_option` on ``block``: its class's forward, no plan hooks."""
     if is_wrapped(block):
         del block.forward
-    remove_hooks(
-        block,
-        lambda hook: (
-            hook is _reset
-            or hook is _done
-            or isinstance(hook, (RefuseTraining, LargerInputs))
-            or isinstance(getattr(hook, "__self__", None), Offloaded)
-        ),
+    remove_hooks(block, _option_hook)
+
+
+def _option_hook(hook: Any) -> bool:
+    """Whether ``hook`` is one :func:`apply_option` or ``Plan.apply`` puts on a block."""
+    return (
+        hook is _reset
+        or hook is _done
+        or isinstance(hook, (RefuseTraining, LargerInputs))
+        or isinstance(getattr(hook, "__self__", None), Offloaded)
     )
 
 
@@ -370,17 +372,6 @@ def undo_segment_on(module: nn.Module) -> None:
             module.forward = forward.previous
 
 
-def _plan_hook(hook: Any) -> bool:
-    """Whether ``hook`` is one a plan puts on a block."""
-    owner = getattr(hook, "__self__", None)
-    return (
-        hook is _reset
-        or hook is _done
-        or isinstance(hook, (RefuseTraining, LargerInputs))
-        or isinstance(owner, (Offloaded, Segment))
-    )
-
-
 def set_up(model: nn.Module) -> str | None:
     """The path of the first module of ``model`` that remat runs (a region, a plan's policy,
     segment or offload scope), or ``None``."""
@@ -390,7 +381,10 @@ def set_up(model: nn.Module) -> str | None:
         if is_wrapped(module) or isinstance(forward, (LinkedForward, SegmentForward)):
             return path
         hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
-        if any(_plan_hook(hook) for hook in hooks):
+        if any(
+            _option_hook(hook) or isinstance(getattr(hook, "__self__", None), Segment)
+            for hook in hooks
+        ):
             return path
     return None
 
