@@ -18,7 +18,6 @@ from remat.bench.measure import peak_step_bytes
 from remat.planning._plan import Option
 from remat.planning.apply import apply_option, undo_option
 from remat.planning.planner import (
-    NoPlanFits,
     _smallest,
     profile_model,
     solve,
@@ -89,7 +88,7 @@ def test_the_disk_tier_plans_below_what_recompute_alone_reaches(disk: DiskTier) 
     lower = _smallest(tiered.costs, tiered.chain)
     assert lower < 0.9 * floor, (lower, floor)
     budget = (lower + floor) // 2
-    with pytest.raises(NoPlanFits):
+    with pytest.raises(remat.NoPlanFits):
         solve(alone, budget)
     plan = solve_measured(tiered, budget, model, X, _loss)
     used = [plan.option(b) for b in plan.blocks]

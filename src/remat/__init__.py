@@ -14,6 +14,7 @@ from ._state import is_checkpointing as is_checkpointing
 from ._state import is_recomputing as is_recomputing
 from .checkpoint import checkpoint as checkpoint
 from .errors import CheckpointError as CheckpointError
+from .errors import NoPlanFits as NoPlanFits
 from .errors import RematError as RematError
 from .explain import SavedTensorReport as SavedTensorReport
 from .explain import explain as explain
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointError",
     "MemoryReport",
     "MemoryTracker",
+    "NoPlanFits",
     "OffloadModel",
     "Plan",
     "RematError",

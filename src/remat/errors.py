@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.utils.checkpoint
 
-__all__ = ["CheckpointError", "RematError"]
+__all__ = ["CheckpointError", "NoPlanFits", "RematError"]
 
 
 class RematError(RuntimeError):
@@ -22,6 +22,15 @@ class CheckpointError(RematError, torch.utils.checkpoint.CheckpointError):
     Also a ``torch.utils.checkpoint.CheckpointError``, so ``except`` clauses written for torch's
     checkpoint catch it.
     """
+
+
+class NoPlanFits(RematError):
+    """No plan fits the memory budget given to ``remat.plan`` or ``remat.fit``; ``smallest`` is
+    the budget in bytes the message names instead."""
+
+    def __init__(self, message: str, smallest: int) -> None:
+        super().__init__(message)
+        self.smallest = smallest
 
 
 def did_you_mean(found: str, choices: list[str] | tuple[str, ...]) -> str:

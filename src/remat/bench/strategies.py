@@ -377,7 +377,8 @@ def plan_budgets(
 def _plan_at(
     profiled: Any, budget: str | int, workload: Workload, seed: int, device: torch.device
 ) -> dict[str, Any]:
-    from ..planning.planner import NoPlanFits, solve, solve_measured
+    from ..errors import NoPlanFits
+    from ..planning.planner import solve, solve_measured
 
     model, inputs, loss_fn = _planning_inputs(workload, seed, device)
     started = time.perf_counter()

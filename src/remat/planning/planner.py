@@ -37,7 +37,7 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import modules
-from ..errors import RematError
+from ..errors import NoPlanFits, RematError
 from ._budget import fmt_bytes, parse_budget
 from ._plan import Option, Plan, fingerprint, segments
 from .apply import (
@@ -79,14 +79,6 @@ MAX_SEGMENT = 12  # the most blocks one segment covers
 # (``repeats=0``): 0.5 GB/s, a disk tier's bandwidth while a 2-core CPU computes.
 OFFLOAD_SECONDS_PER_BYTE = 2e-9
 _AHEAD = 2  # storages an offload scope reads ahead in backward (``Store``'s default prefetch)
-
-
-class NoPlanFits(RematError):
-    """No plan fits the budget; ``smallest`` is the budget in bytes the message names instead."""
-
-    def __init__(self, message: str, smallest: int) -> None:
-        super().__init__(message)
-        self.smallest = smallest
 
 
 def _step(
@@ -791,12 +783,16 @@ def _linked_runs(paths: list[str], linked: set[str]) -> list[str]:
     return runs
 
 
-def solve(profiled: Profiled, budget: Any) -> Plan:
-    """The fastest plan for ``budget`` from what ``profiled`` measured."""
+def solve(
+    profiled: Profiled, budget: Any, charges: Mapping[tuple[int, int], int] | None = None
+) -> Plan:
+    """The fastest plan for ``budget`` from what ``profiled`` measured. ``charges`` adds bytes
+    to chosen options (block, option index) for the choice only (see :func:`solve_measured`);
+    the plan's prediction is the model's own."""
     plain, costs, chain, options = profiled.plain, profiled.costs, profiled.chain, profiled.options
     budget_bytes = parse_budget(budget, plain.peak)
     start = time.perf_counter()
-    picks = chain_dp(costs, chain, budget_bytes)
+    picks = chain_dp(costs, _charged(chain, charges or {}), budget_bytes)
     dp_seconds = time.perf_counter() - start
     if picks is None:
         smallest = _smallest(costs, chain)
@@ -899,6 +895,34 @@ def measured_peak(
             plan.policies = []  # what report() counts starts at the user's own apply
 
 
+def _charged(
+    chain: list[list[ChainOption]], charges: Mapping[tuple[int, int], int]
+) -> list[list[ChainOption]]:
+    """``chain`` with ``charges[i, k]`` bytes added to what option ``k`` of block ``i`` keeps
+    after its forward, needs in its backward and leaves after it: every term of a predicted
+    peak (see [ The chain DP ]) of an assignment that picks it rises by at least that much."""
+    if not charges:
+        return chain
+    return [
+        [
+            dataclasses.replace(o, kept=o.kept + c, backward=o.backward + c, left=o.left + c)
+            if (c := charges.get((i, k), 0))
+            else o
+            for k, o in enumerate(opts)
+        ]
+        for i, opts in enumerate(chain)
+    ]
+
+
+def _picks(profiled: Profiled, plan: Plan) -> list[tuple[int, int]]:
+    """The (block, option index) pairs a plan made by :func:`solve` chose."""
+    out = []
+    for i, entry in enumerate(plan.blocks):
+        if entry.get("segment", entry["path"]) == entry["path"]:  # not inside a segment
+            out.append((i, profiled.names[i].index(entry["option"])))
+    return out
+
+
 def solve_measured(
     profiled: Profiled,
     budget: Any,
@@ -907,41 +931,60 @@ def solve_measured(
     loss_fn: Callable[[Any], torch.Tensor] | None,
     attempts: int = 4,
 ) -> Plan:
-    """:func:`solve`, then one measured step of the plan: where the measured peak is above
-    the budget (the model missed something), solve again for plans predicted below the budget
-    by as much as the model understated this one.
+    """:func:`solve`, then one measured step of the plan; where the measured peak is above
+    the budget (the model missed something), solve again (see [ A plan measured above its
+    budget ]).
 
     The plan keeps the model's prediction (``predicted_peak``) and records the measurement
     (``measured["verified_peak"]``) and how many solves it took.
     """
+    # NOTE [ A plan measured above its budget ]
+    #
+    # A plan the model predicted at p measured m > budget. Either the model understates every
+    # plan (what the blocks' neighbours hold, measured once) or only the options this plan
+    # chose. One failure cannot tell the two apart, so the options a failed plan chose are
+    # charged its whole error m - p (``_charged``): that plan is now predicted at m or more and
+    # is never chosen again, and plans that share none of its options keep their prediction
+    # (near the smallest budget, that is what finds the plan that fits). From the second
+    # failure on, the least error of the failed plans, u, is taken as every plan's: the target
+    # is budget - u and the charges are what each failed plan's error has beyond u, which
+    # still excludes every failed plan (its charged prediction is at least m - u > target).
     budget_bytes = parse_budget(budget, profiled.plain.peak)
-    target: Any = budget
-    peak = 0
+    failed: list[tuple[list[tuple[int, int]], int]] = []  # picks, and m - p
+    peaks: list[int] = []
     for attempt in range(1, attempts + 1):
+        common = min((e for _, e in failed), default=0) if len(failed) > 1 else 0
+        charges: dict[tuple[int, int], int] = {}
+        for picks, error in failed:
+            for pick in picks:
+                charges[pick] = max(charges.get(pick, 0), error - common)
         try:
-            result = solve(profiled, target)
+            result = solve(profiled, budget_bytes - common, charges)
         except RematError:
             if attempt == 1:
                 raise
+            smallest = min(peaks)
             raise NoPlanFits(
                 f"remat.plan: the fastest plan within {fmt_bytes(budget_bytes)} ({budget!r}) "
-                f"measured {fmt_bytes(peak)} at its peak, above the budget, and no plan fits "
-                f"a tighter one; raise the budget to {fmt_bytes(peak)} ({peak} bytes).",
-                peak,
+                f"measured {fmt_bytes(peaks[0])} at its peak, above the budget, and no other "
+                f"plan fits it by the model corrected for that; the least any plan measured "
+                f"was {fmt_bytes(smallest)}: raise the budget to {smallest} bytes.",
+                smallest,
             ) from None
         peak = measured_peak(result, model, example_inputs, loss_fn)
+        peaks.append(peak)
         if peak <= budget_bytes:
             break
-        # The model understated this plan's peak by (peak - predicted): the next plan must be
-        # predicted that much below the budget, which excludes this one.
-        target = min(result.budget, result.predicted_peak) - (peak - budget_bytes)
-        if target <= 0 or attempt == attempts:
+        if attempt == attempts:
+            smallest = min(peaks)
             raise NoPlanFits(
                 f"remat.plan: the fastest plan within {fmt_bytes(budget_bytes)} ({budget!r}) "
-                f"measured {fmt_bytes(peak)} at its peak, above the budget; raise the budget to "
-                f"{fmt_bytes(peak)} ({peak} bytes).",
-                peak,
+                f"measured {fmt_bytes(peaks[0])} at its peak, above the budget, and so did the "
+                f"next {attempts - 1}; the least any measured was {fmt_bytes(smallest)}: raise "
+                f"the budget to {smallest} bytes.",
+                smallest,
             )
+        failed.append((_picks(profiled, result), peak - result.predicted_peak))
     result.budget = budget_bytes
     result.budget_text = budget if isinstance(budget, str) else repr(budget)
     result.measured["verified_peak"] = peak
