@@ -356,6 +356,40 @@ def test_larger_inputs_than_planned_are_followed_exactly_with_one_warning() -> N
     assert all(not m._forward_pre_hooks for m in planned.modules())
 
 
+def test_planning_under_autocast_is_refused_and_a_plan_warns_under_it() -> None:
+    """Inside torch.autocast the planner's steps would share one context's cached weight
+    casts, unlike a loop that enters autocast for each forward, and the plan would understate
+    that loop's peak: planning there raises and leaves the model as found. A plan made without
+    autocast, run under it, stays exact and warns once that its budget does not hold."""
+    model, x, y = _gpt()
+    refused = pytest.raises(remat.RematError, match=r"inside torch.autocast\('cpu', dtype=")
+    with torch.autocast("cpu", dtype=torch.bfloat16), refused:
+        remat.fit(model, x, budget="60%", loss_fn=lambda o: _lm_loss(o, y), repeats=0)
+    assert all(not m._forward_pre_hooks and "forward" not in m.__dict__ for m in model.modules())
+
+    plan = remat.plan(model, x, budget="60%", loss_fn=lambda o: _lm_loss(o, y), repeats=0)
+    planned = plan.apply(copy.deepcopy(model))
+
+    def autocast_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return _lm_loss(out.float(), target)
+
+    def mixed(m: nn.Module) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return train(m, [(x, y)] * 2, autocast_loss)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_records_equal(train(model, [(x, y)], _lm_loss), train(planned, [(x, y)], _lm_loss))
+    assert not caught  # without autocast: as planned
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = mixed(planned)  # two steps, one warning
+    assert [str(w.message)[:63] for w in caught] == [
+        "remat: blocks.0 runs under torch.autocast('cpu', dtype=torch.bf"
+    ]
+    assert_records_equal(mixed(model), got)
+
+
 def test_bench_auto_strategy_reports_its_prediction() -> None:
     from remat.bench.measure import memory
     from remat.workloads import get_workload

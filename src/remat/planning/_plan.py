@@ -19,9 +19,9 @@ from ..modules import guard_hf_checkpointing
 from ._budget import fmt_bytes
 from .apply import (
     OFFLOADS,
-    LargerInputs,
     PlanPolicy,
     RefuseTraining,
+    UnlikeProfiled,
     apply_option,
     apply_segment,
     refuse_set_up,
@@ -139,11 +139,11 @@ class Plan:
             )
             if policy is not None:
                 self.policies.append(policy)
-        measured_inputs = self.measured.get("input_bytes")
-        if measured_inputs and self.blocks:
+        if self.blocks:
             path = self.blocks[0]["path"]
+            measured_inputs = int(self.measured.get("input_bytes", 0))
             model.get_submodule(path).register_forward_pre_hook(
-                LargerInputs(path, measured_inputs, self.budget), with_kwargs=True
+                UnlikeProfiled(path, measured_inputs, self.budget), with_kwargs=True
             )
         if not self.training:
             for block in self.blocks:

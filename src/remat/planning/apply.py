@@ -14,9 +14,11 @@ whose key the plan does not know is kept (keeping is always exact; so is recompu
 policy counts it. The first call that meets such ops warns once per policy, naming how many ops
 it could not follow and one of their keys; ``Plan.report()`` shows the counts next to the
 prediction. Larger inputs than the profiled ones follow the plan (its keys do not name shapes)
-but hold more than it predicted: a pre-hook on the first block (:class:`LargerInputs`) warns
+but hold more than it predicted: a pre-hook on the first block (:class:`UnlikeProfiled`) warns
 once when that block's tensor inputs have more bytes than in the profiled step (in eager mode:
-a compiled step is not checked).
+a compiled step is not checked). It warns once too when the block runs under autocast: the
+planner refuses to plan under autocast (its steps would share one context's cached weight
+casts, unlike a loop's), so a plan never measured the casts such a step holds.
 
 NOTE [ The mode a plan was made in ]
 
@@ -234,27 +236,46 @@ class RefuseTraining:
             )
 
 
-class LargerInputs:
+class UnlikeProfiled:
     """A forward pre-hook on a plan's first block: warns once when the block gets larger
-    inputs than the profiled step gave it (see NOTE [ Following a plan ])."""
+    inputs than the profiled step gave it, and once when it runs under autocast, which the
+    profiled step did not (see NOTE [ Following a plan ])."""
 
     def __init__(self, path: str, measured: int, budget: int) -> None:
         self.path, self.measured, self.budget = path, measured, budget
-        self.warned = False
+        self.warned: set[str] = set()
 
     def __call__(self, block: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.warned or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return  # (a compiled step's shapes may be symbolic: it is not checked)
         got = input_bytes((args, kwargs))
-        if got > self.measured:
-            self.warned = True
-            warnings.warn(
-                f"remat: {self.path} got inputs of {fmt_bytes(got)} where the plan was measured "
-                f"with {fmt_bytes(self.measured)}; activation memory grows with them, so the "
-                f"plan's budget of {fmt_bytes(self.budget)} does not hold for this step "
-                "(gradients stay exact). Plan with the largest batch you train on.",
-                stacklevel=2,
+        if self.measured and got > self.measured and "inputs" not in self.warned:
+            self.warned.add("inputs")
+            self._warn(
+                f"got inputs of {fmt_bytes(got)} where the plan was measured with "
+                f"{fmt_bytes(self.measured)}; activation memory grows with them",
+                "Plan with the largest batch you train on.",
             )
+        tensor = next(
+            (t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None
+        )
+        device = tensor.device.type if tensor is not None else "cpu"
+        if torch.is_autocast_enabled(device) and "autocast" not in self.warned:
+            self.warned.add("autocast")
+            self._warn(
+                f"runs under torch.autocast({device!r}, "
+                f"dtype={torch.get_autocast_dtype(device)}), which the plan was not made under; "
+                "the casts change what a step holds",
+                "remat.plan does not plan mixed-precision steps yet: choose a strategy by hand "
+                "for an autocast loop (remat.apply, remat.policies).",
+            )
+
+    def _warn(self, what: str, fix: str) -> None:
+        warnings.warn(
+            f"remat: {self.path} {what}, so the plan's budget of {fmt_bytes(self.budget)} does "
+            f"not hold for this step (gradients stay exact). {fix}",
+            stacklevel=3,
+        )
 
 
 def input_bytes(inputs: Any) -> int:
@@ -278,7 +299,7 @@ def _option_hook(hook: Any) -> bool:
     return (
         hook is _reset
         or hook is _done
-        or isinstance(hook, (RefuseTraining, LargerInputs))
+        or isinstance(hook, (RefuseTraining, UnlikeProfiled))
         or isinstance(getattr(hook, "__self__", None), Offloaded)
     )
 
