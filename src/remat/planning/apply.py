@@ -248,7 +248,8 @@ class UnlikeProfiled:
     def __call__(self, block: nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return  # (a compiled step's shapes may be symbolic: it is not checked)
-        got = input_bytes((args, kwargs))
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        got = sum(t.numel() * t.element_size() for t in tensors)
         if self.measured and got > self.measured and "inputs" not in self.warned:
             self.warned.add("inputs")
             self._warn(
@@ -256,10 +257,7 @@ class UnlikeProfiled:
                 f"{fmt_bytes(self.measured)}; activation memory grows with them",
                 "Plan with the largest batch you train on.",
             )
-        tensor = next(
-            (t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None
-        )
-        device = tensor.device.type if tensor is not None else "cpu"
+        device = tensors[0].device.type if tensors else "cpu"
         if torch.is_autocast_enabled(device) and "autocast" not in self.warned:
             self.warned.add("autocast")
             self._warn(
