@@ -337,19 +337,22 @@ def test_a_changed_forward_stays_exact_and_is_reported() -> None:
 
 def test_larger_inputs_than_planned_are_followed_exactly_with_one_warning() -> None:
     """The plan's keys name no shapes, so a larger batch follows it, exactly, but holds more
-    than its budget: the first larger one warns, once; smaller ones do not."""
+    than its budget: the first larger one warns, once; smaller ones do not. (The batches
+    keep more than one row: a batch of one runs other ops where a reshape finds its input
+    contiguous, which a per-op plan cannot follow and says so.)"""
     model, x, y = _gpt()
+    x, y = torch.cat([x, x]), torch.cat([y, y])
     plan = remat.plan(model, x, budget="60%", loss_fn=lambda o: _lm_loss(o, y), repeats=0)
-    assert plan.measured["input_bytes"] == 2 * 16 * 16 * 4  # the first block's hidden states
+    assert plan.measured["input_bytes"] == 4 * 16 * 16 * 4  # the first block's hidden states
     planned = plan.apply(copy.deepcopy(model))
-    small = [(x[:1], y[:1])]
+    small = [(x[:2], y[:2])]
     large = [(torch.cat([x, x]), torch.cat([y, y]))] * 2
     assert_records_equal(train(model, small, _lm_loss), train(planned, small, _lm_loss))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = train(planned, large, _lm_loss)  # two steps, one warning
     assert [str(w.message)[:54] for w in caught] == [
-        "remat: blocks.0 got inputs of 4.0 KiB where the plan w"
+        "remat: blocks.0 got inputs of 8.0 KiB where the plan w"
     ]
     assert_records_equal(train(model, large, _lm_loss), got)
     remat.unapply(planned)
@@ -383,10 +386,12 @@ def test_planning_under_autocast_is_refused_and_a_plan_warns_under_it() -> None:
     assert not caught  # without autocast: as planned
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = mixed(planned)  # two steps, one warning
-    assert [str(w.message)[:63] for w in caught] == [
+        got = mixed(planned)  # two steps, one warning (a per-op plan also meets casts it
+    messages = [str(w.message) for w in caught]  # does not know, and says so, once)
+    assert [m[:63] for m in messages if "could not follow" not in m] == [
         "remat: blocks.0 runs under torch.autocast('cpu', dtype=torch.bf"
     ]
+    assert len(messages) <= 1 + len(plan.policies)
     assert_records_equal(mixed(model), got)
 
 
