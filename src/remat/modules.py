@@ -207,10 +207,10 @@ def _hf_checkpointing_on(model: nn.Module) -> str | None:
     for every module without it (this runs before every training forward of a model that
     :func:`remat.hf.enable` set up).
     """
-    if not any(_hf_flag(m) for m in model.modules()):
+    if not any(_hf_flag(m) for m in model.modules()):  # no names built where none is on
         return None
-    names: list[str] = [name for name, m in model.named_modules() if _hf_flag(m)]
-    return names[0]
+    name: str = next(name for name, m in model.named_modules() if _hf_flag(m))
+    return name
 
 
 def _hf_flag(module: nn.Module) -> bool:

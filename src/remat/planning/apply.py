@@ -248,8 +248,7 @@ class UnlikeProfiled:
     def __call__(self, block: nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return  # (a compiled step's shapes may be symbolic: it is not checked)
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        got = sum(t.numel() * t.element_size() for t in tensors)
+        got = input_bytes((args, kwargs))
         if self.measured and got > self.measured and "inputs" not in self.warned:
             self.warned.add("inputs")
             self._warn(
@@ -257,7 +256,8 @@ class UnlikeProfiled:
                 f"{fmt_bytes(self.measured)}; activation memory grows with them",
                 "Plan with the largest batch you train on.",
             )
-        device = tensors[0].device.type if tensors else "cpu"
+        param = next(block.parameters(), None)
+        device = param.device.type if param is not None else "cpu"
         if torch.is_autocast_enabled(device) and "autocast" not in self.warned:
             self.warned.add("autocast")
             self._warn(

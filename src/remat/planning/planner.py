@@ -934,6 +934,18 @@ def _picks(profiled: Profiled, plan: Plan) -> list[tuple[int, int]]:
     return out
 
 
+def _over_budget(budget: Any, budget_bytes: int, peaks: list[int], then: str) -> NoPlanFits:
+    """The error of :func:`solve_measured` when no plan measured within the budget: what the
+    first measured, ``then`` what followed, and the least any measured."""
+    smallest = min(peaks)
+    return NoPlanFits(
+        f"remat.plan: the fastest plan within {fmt_bytes(budget_bytes)} ({budget!r}) measured "
+        f"{fmt_bytes(peaks[0])} at its peak, above the budget, and {then}; the least any plan "
+        f"measured was {fmt_bytes(smallest)}: raise the budget to {smallest} bytes.",
+        smallest,
+    )
+
+
 def solve_measured(
     profiled: Profiled,
     budget: Any,
@@ -974,27 +986,15 @@ def solve_measured(
         except RematError:
             if attempt == 1:
                 raise
-            smallest = min(peaks)
-            raise NoPlanFits(
-                f"remat.plan: the fastest plan within {fmt_bytes(budget_bytes)} ({budget!r}) "
-                f"measured {fmt_bytes(peaks[0])} at its peak, above the budget, and no other "
-                f"plan fits it by the model corrected for that; the least any plan measured "
-                f"was {fmt_bytes(smallest)}: raise the budget to {smallest} bytes.",
-                smallest,
+            raise _over_budget(
+                budget, budget_bytes, peaks, "no other plan fits it by the model corrected for that"
             ) from None
         peak = measured_peak(result, model, example_inputs, loss_fn)
         peaks.append(peak)
         if peak <= budget_bytes:
             break
         if attempt == attempts:
-            smallest = min(peaks)
-            raise NoPlanFits(
-                f"remat.plan: the fastest plan within {fmt_bytes(budget_bytes)} ({budget!r}) "
-                f"measured {fmt_bytes(peaks[0])} at its peak, above the budget, and so did the "
-                f"next {attempts - 1}; the least any measured was {fmt_bytes(smallest)}: raise "
-                f"the budget to {smallest} bytes.",
-                smallest,
-            )
+            raise _over_budget(budget, budget_bytes, peaks, f"so did the next {attempts - 1}")
         failed.append((_picks(profiled, result), peak - result.predicted_peak))
     result.budget = budget_bytes
     result.budget_text = budget if isinstance(budget, str) else repr(budget)
