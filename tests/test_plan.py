@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -359,40 +360,98 @@ def test_larger_inputs_than_planned_are_followed_exactly_with_one_warning() -> N
     assert all(not m._forward_pre_hooks for m in planned.modules())
 
 
-def test_planning_under_autocast_is_refused_and_a_plan_warns_under_it() -> None:
-    """Inside torch.autocast the planner's steps would share one context's cached weight
-    casts, unlike a loop that enters autocast for each forward, and the plan would understate
-    that loop's peak: planning there raises and leaves the model as found. A plan made without
-    autocast, run under it, stays exact and warns once that its budget does not hold."""
-    model, x, y = _gpt()
-    refused = pytest.raises(remat.RematError, match=r"inside torch.autocast\('cpu', dtype=")
-    with torch.autocast("cpu", dtype=torch.bfloat16), refused:
-        remat.fit(model, x, budget="60%", loss_fn=lambda o: _lm_loss(o, y), repeats=0)
-    assert all(not m._forward_pre_hooks and "forward" not in m.__dict__ for m in model.modules())
-
-    plan = remat.plan(model, x, budget="60%", loss_fn=lambda o: _lm_loss(o, y), repeats=0)
-    planned = plan.apply(copy.deepcopy(model))
-
-    def autocast_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return _lm_loss(out.float(), target)
-
-    def mixed(m: nn.Module) -> Any:
+def _autocast_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 2) -> Any:
+    """A mixed-precision loop: forward and loss inside torch.autocast, backward outside; the
+    losses, gradients and parameters of each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    record = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return train(m, [(x, y)] * 2, autocast_loss)
+            loss = _lm_loss(model(x).float(), y)
+        loss.backward()
+        record.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        opt.step()
+    return record, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_plan_made_under_autocast_is_the_autocast_loop_s_plan() -> None:
+    """Called inside torch.autocast, the planner plans a loop that enters autocast around each
+    forward and its loss (see NOTE [ Planning under autocast ]): the step it checks is that
+    loop's, to the byte; the loop is exact and within the budget; the user's context is as it
+    was. A plan run under other autocast settings than it was made for warns once."""
+    from remat.planning.cost import peak_bytes
+
+    model, x, y = _gpt()
+    planned = copy.deepcopy(model)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return _lm_loss(out.float(), y)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):
+        plan = remat.fit(planned, x, budget="60%", loss_fn=loss_fn, repeats=0)
+        # The user's context: still on, and still the outermost (torch drops its cache when
+        # the depth returns to zero).
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert torch.autocast_decrement_nesting() == 0
+        torch.autocast_increment_nesting()
+    assert plan.autocast == {"device_type": "cpu", "dtype": "bfloat16", "cache_enabled": True}
+    assert "torch.autocast('cpu', dtype=torch.bfloat16)" in plan.summary()
+    assert remat.Plan.from_json(plan.to_json()).autocast == plan.autocast
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert_records_equal(train(model, [(x, y)], _lm_loss), train(planned, [(x, y)], _lm_loss))
-    assert not caught  # without autocast: as planned
+        got = _autocast_loop(planned, x, y)
+        expected = _autocast_loop(copy.deepcopy(model), x, y)
+        for (loss, grads), (want, want_grads) in zip(got[0], expected[0], strict=True):
+            assert torch.equal(loss, want)
+            assert all(torch.equal(a, b) for a, b in zip(grads, want_grads, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1], strict=True))
+
+        def step() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(planned(x))
+            loss.backward()
+
+        torch.manual_seed(0)
+        peak = peak_bytes(step, torch.device("cpu"))
+    assert not [w for w in caught if "could not follow" not in str(w.message)]
+    assert peak == plan.measured["verified_peak"] <= plan.budget
+    # The model counts the casts the cache holds to the forward's end: the first solve fits.
+    assert plan.measured["solves"] == 1 and plan.predicted_peak == peak
+
+    # Without autocast, the plan made under it: one warning, exact.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = mixed(planned)  # two steps, one warning (a per-op plan also meets casts it
-    messages = [str(w.message) for w in caught]  # does not know, and says so, once)
-    assert [m[:63] for m in messages if "could not follow" not in m] == [
-        "remat: blocks.0 runs under torch.autocast('cpu', dtype=torch.bf"
-    ]
-    assert len(messages) <= 1 + len(plan.policies)
-    assert_records_equal(mixed(model), got)
+        assert_records_equal(
+            train(copy.deepcopy(model), [(x, y)] * 2, _lm_loss),
+            train(plan.apply(copy.deepcopy(model)), [(x, y)] * 2, _lm_loss),
+        )
+    messages = [str(w.message) for w in caught if "could not follow" not in str(w.message)]
+    assert messages == [messages[0]]
+    assert "runs without autocast, but the plan was made under torch.autocast('cpu'" in messages[0]
+
+    # A plan made without autocast, run under it: one warning, exact.
+    plain_plan = remat.plan(model, x, budget="60%", loss_fn=_lm_loss_of(y), repeats=0)
+    assert plain_plan.autocast is None
+    unplanned = plain_plan.apply(copy.deepcopy(model))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _autocast_loop(unplanned, x, y)
+    messages = [str(w.message) for w in caught if "could not follow" not in str(w.message)]
+    assert len(messages) == 1
+    assert (
+        "runs under torch.autocast('cpu', dtype=torch.bfloat16), but the plan was made"
+        in (messages[0])
+    )
+    expected = _autocast_loop(copy.deepcopy(model), x, y)
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1], strict=True))
+
+
+def _lm_loss_of(y: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda out: _lm_loss(out, y)
 
 
 def test_bench_auto_strategy_reports_its_prediction() -> None:

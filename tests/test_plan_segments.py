@@ -138,9 +138,9 @@ def test_a_segment_keeps_its_input_where_regions_keep_each_blocks() -> None:
     for block in regions:
         remat.checkpoint_wrapper(block)
     cpu = torch.device("cpu")
-    plain_kept, plain_backward, _, _ = measure_memory(chain, ((x,), {}), cpu)
-    kept, backward, _, _ = measure_memory(segment, ((x,), {}), cpu)
-    region_kept, region_backward, _, _ = measure_memory(regions, ((x,), {}), cpu)
+    plain_kept, plain_backward, *_ = measure_memory(chain, ((x,), {}), cpu)
+    kept, backward, *_ = measure_memory(segment, ((x,), {}), cpu)
+    region_kept, region_backward, *_ = measure_memory(regions, ((x,), {}), cpu)
     input_bytes = x.numel() * x.element_size()
     state = kept - input_bytes  # the segment's generator state
     assert 0 < state < input_bytes // 8

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import RematError
 from ..modules import guard_hf_checkpointing
+from ._autocast import Autocast
 from ._budget import fmt_bytes
 from .apply import (
     OFFLOADS,
@@ -67,6 +68,10 @@ class Option:
     # A segment on the region engine, its blocks' calls linked (see [ Segments on the region
     # engine ] in ``apply.py``); else a segment runs on the graph engine.
     linked: bool = False
+    # Bytes autocast's cache holds from its forward to the end of the step's forward, beyond
+    # what it keeps: weights it cast and does not keep (see NOTE [ Planning under autocast ] in
+    # ``_autocast.py``); zero without autocast.
+    cached: int = 0
 
     @property
     def offloads(self) -> bool:
@@ -101,6 +106,9 @@ class Plan:
     # The model's mode when it was planned; a plan made in evaluation mode refuses a training
     # forward (see NOTE [ The mode a plan was made in ] in ``apply.py``).
     training: bool = True
+    # The torch.autocast the planned loop enters around each forward ({"device_type", "dtype",
+    # "cache_enabled"}); None: none (see NOTE [ Planning under autocast ] in ``_autocast.py``).
+    autocast: dict[str, Any] | None = None
     version: int = VERSION
     policies: list[PlanPolicy] = field(default_factory=list, repr=False, compare=False)
 
@@ -143,7 +151,10 @@ class Plan:
             path = self.blocks[0]["path"]
             measured_inputs = int(self.measured.get("input_bytes", 0))
             model.get_submodule(path).register_forward_pre_hook(
-                UnlikeProfiled(path, measured_inputs, self.budget), with_kwargs=True
+                UnlikeProfiled(
+                    path, measured_inputs, self.budget, Autocast.from_json(self.autocast)
+                ),
+                with_kwargs=True,
             )
         if not self.training:
             for block in self.blocks:
@@ -179,6 +190,9 @@ class Plan:
             lines.append(
                 "  planned in evaluation mode: a forward in training mode refuses this plan"
             )
+        autocast = Autocast.from_json(self.autocast)
+        if autocast is not None:
+            lines.append(f"  planned for a loop that runs each forward and loss under {autocast}")
         verified = self.measured.get("verified_peak")
         if verified is not None:
             lines.append(

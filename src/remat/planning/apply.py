@@ -16,9 +16,10 @@ it could not follow and one of their keys; ``Plan.report()`` shows the counts ne
 prediction. Larger inputs than the profiled ones follow the plan (its keys do not name shapes)
 but hold more than it predicted: a pre-hook on the first block (:class:`UnlikeProfiled`) warns
 once when that block's tensor inputs have more bytes than in the profiled step (in eager mode:
-a compiled step is not checked). It warns once too when the block runs under autocast: the
-planner refuses to plan under autocast (its steps would share one context's cached weight
-casts, unlike a loop's), so a plan never measured the casts such a step holds.
+a compiled step is not checked). It warns once too when the block runs under other autocast
+settings than the plan was made for (none, or another dtype): casts change what a step holds,
+and a plan measured the casts of its own loop only (see NOTE [ Planning under autocast ] in
+``_autocast.py``).
 
 NOTE [ The mode a plan was made in ]
 
@@ -95,6 +96,7 @@ from ..modules import checkpoint_wrapper, is_wrapped, remove_hooks
 from ..policies import Decision, OpContext, recompute_everything
 from ..store import offload
 from ..store.scope import _NAMES
+from ._autocast import Autocast
 from ._budget import fmt_bytes
 from .profile import KeyCounter
 
@@ -238,11 +240,14 @@ class RefuseTraining:
 
 class UnlikeProfiled:
     """A forward pre-hook on a plan's first block: warns once when the block gets larger
-    inputs than the profiled step gave it, and once when it runs under autocast, which the
-    profiled step did not (see NOTE [ Following a plan ])."""
+    inputs than the profiled step gave it, and once when it runs under other autocast settings
+    than the plan was made for (see NOTE [ Following a plan ])."""
 
-    def __init__(self, path: str, measured: int, budget: int) -> None:
+    def __init__(
+        self, path: str, measured: int, budget: int, autocast: Autocast | None = None
+    ) -> None:
         self.path, self.measured, self.budget = path, measured, budget
+        self.autocast = autocast
         self.warned: set[str] = set()
 
     def __call__(self, block: nn.Module, args: Any, kwargs: Any) -> None:
@@ -256,16 +261,23 @@ class UnlikeProfiled:
                 f"{fmt_bytes(self.measured)}; activation memory grows with them",
                 "Plan with the largest batch you train on.",
             )
+        if "autocast" in self.warned:
+            return
         param = next(block.parameters(), None)
         device = param.device.type if param is not None else "cpu"
-        if torch.is_autocast_enabled(device) and "autocast" not in self.warned:
+        now = Autocast.found(device)
+        if now != self.autocast:
             self.warned.add("autocast")
+            runs = f"runs under {now}" if now else "runs without autocast"
+            made = f"under {self.autocast}" if self.autocast else "without autocast"
+            fix = (
+                f"Plan inside `with {now}:`, as the loop runs its forward"
+                if now
+                else f"Plan outside autocast, or run the forward under {self.autocast} as planned"
+            )
             self._warn(
-                f"runs under torch.autocast({device!r}, "
-                f"dtype={torch.get_autocast_dtype(device)}), which the plan was not made under; "
-                "the casts change what a step holds",
-                "remat.plan does not plan mixed-precision steps yet: choose a strategy by hand "
-                "for an autocast loop (remat.apply, remat.policies).",
+                f"{runs}, but the plan was made {made}; the casts change what a step holds",
+                f"{fix} (remat.plan, remat.fit, remat.hf.enable with budget=).",
             )
 
     def _warn(self, what: str, fix: str) -> None:

@@ -11,7 +11,9 @@ Points in time are marked by allocating and freeing a byte tensor of a size no r
 1. One block alone, per option: ``kept`` is the memory live after its forward (its output
    and what it holds for backward), ``backward`` the peak during its backward (with the
    output's gradient), ``forward`` the peak during its forward, each above the level before
-   its forward.
+   its forward. Under a loop's autocast, ``cached`` is what leaving the forward's context
+   frees: the cast weights autocast's cache held that the block does not keep (see NOTE
+   [ Planning under autocast ] in ``_autocast.py``).
 2. The whole plain step, with markers at each block's forward start and end and at the
    start of each block's backward: the plain step's peak, each block's kept bytes in the chain,
    the peak of each block's backward, the peak before the last block's backward starts
@@ -43,6 +45,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ._autocast import loop_forward
 from .profile import first_tensor, fresh_inputs
 
 __all__: list[str] = []
@@ -181,6 +184,7 @@ class Memory(NamedTuple):
     backward: int
     left: int
     forward: int
+    cached: int  # held by autocast's cache until its forward's context ends, not kept
 
 
 def measure_memory(
@@ -206,7 +210,10 @@ def measure_memory(
         torch.manual_seed(0)
         if mark is not None:
             mark("start")
-        out = first_tensor(block(*args, **kwargs))
+        with loop_forward():
+            out = first_tensor(block(*args, **kwargs))
+            if mark is not None:
+                mark("cast")
         del args, kwargs
         if mark is not None:
             mark("forward")
@@ -231,7 +238,9 @@ def measure_memory(
     if "inputs" in line.levels:
         left = line.levels["inputs"] - start - sum(sizes)
     backward = max(line.peaks["forward"], line.peaks.get("inputs", 0)) - start
-    return Memory(line.levels["forward"] - start, backward, left, line.peaks["start"] - start)
+    kept = line.levels["forward"] - start
+    forward = max(line.peaks["start"], line.peaks["cast"]) - start
+    return Memory(kept, backward, left, forward, line.levels["cast"] - line.levels["forward"])
 
 
 def measure_seconds(
@@ -247,7 +256,8 @@ def measure_seconds(
         args, kwargs = fresh_inputs(inputs)
         torch.manual_seed(0)
         start = time.perf_counter()
-        out = first_tensor(m(*args, **kwargs))
+        with loop_forward():
+            out = first_tensor(m(*args, **kwargs))
         out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
         return time.perf_counter() - start
 
@@ -274,6 +284,9 @@ class PlainStep:
     backward_peaks: list[int]  # each block's backward peak, above the step's start
     prefix: list[int]  # live bytes before each block's forward, above the first one's
     head: int  # the peak before the last block's backward starts
+    # The peak to the end of the forward and the loss, inside the loop's autocast (where its
+    # cache still holds the cast weights); at most ``head``.
+    forward_head: int
     tail: int  # the peak after the first block's backward
     seconds: float
 
@@ -281,11 +294,12 @@ class PlainStep:
 def measure_plain_step(
     model: nn.Module,
     paths: list[str],
-    step: Callable[[], Any],
+    step: Callable[..., Any],
     device: torch.device,
     repeats: int = 3,
 ) -> PlainStep:
-    """Mark each block's forward and backward in one plain step and measure them."""
+    """Mark each block's forward and backward in one plain step and measure them; ``step``
+    calls its argument where the forward and the loss end."""
     modules = [model.get_submodule(p) for p in paths]
     marks: list[_Marks] = []
     handles = []
@@ -319,7 +333,7 @@ def measure_plain_step(
     def run(mark: _Marks) -> None:
         marks.append(mark)
         try:
-            step()
+            step(lambda: mark("forward_end"))
         finally:
             marks.clear()
 
@@ -344,6 +358,10 @@ def measure_plain_step(
     head = max(head, line.levels[f"bs{n - 1}"])
     # Before the first mark: the part of forward before the first block.
     head = max(head, level0)
+    ended = order.index("forward_end")
+    forward_head = max(
+        [level0, line.levels["forward_end"], *(line.peaks[m] for m in order[:ended])]
+    )
     tail_marks = order[order.index(f"bs{0}") + 1 :]
     tail = max((line.peaks[name] for name in tail_marks), default=0)
     seconds = []
@@ -359,6 +377,7 @@ def measure_plain_step(
         backward_peaks=backward_peaks,
         prefix=prefix,
         head=head,
+        forward_head=min(forward_head, head),
         tail=tail,
         seconds=statistics.median(seconds),
     )

@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 
 from .. import modules
 from ..errors import NoPlanFits, RematError
+from ._autocast import Autocast, loop_forward, outside
 from ._budget import fmt_bytes, parse_budget
 from ._plan import Option, Plan, fingerprint, segments
 from .apply import (
@@ -83,15 +84,20 @@ _AHEAD = 2  # storages an offload scope reads ahead in backward (``Store``'s def
 
 def _step(
     model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None
-) -> Callable[[], Any]:
+) -> Callable[..., None]:
+    """One training step of ``model``: ``step()``, or ``step(forward_end)`` to call
+    ``forward_end()`` as the forward and the loss end (inside the loop's autocast)."""
     args = inputs if isinstance(inputs, tuple) else () if isinstance(inputs, dict) else (inputs,)
     kwargs = inputs if isinstance(inputs, dict) else {}
 
-    def step() -> None:
+    def step(forward_end: Callable[[], None] | None = None) -> None:
         torch.manual_seed(0)
         # The output is not held during backward, as in a training loop that keeps the loss.
-        out = model(*args, **kwargs)
-        loss = loss_fn(out) if loss_fn is not None else out.sum()
+        with loop_forward():
+            out = model(*args, **kwargs)
+            loss = loss_fn(out) if loss_fn is not None else out.sum()
+            if forward_end is not None:
+                forward_end()
         del out
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = (
@@ -197,7 +203,7 @@ def _chains(block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]]) ->
     args, kwargs = fresh_inputs(inputs)
     if not args or not isinstance(args[0], torch.Tensor):
         return False
-    with _as_found(block), torch.no_grad():
+    with _as_found(block), torch.no_grad(), loop_forward():
         out = block(*args, **kwargs)
     t = next((v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)), None)
     return t is not None and t.shape == args[0].shape and t.dtype == args[0].dtype
@@ -230,11 +236,11 @@ def _segments(
     if longest < 2 or not _chains(block, inputs):
         return []
     single = measure_memory(copy.deepcopy(block), inputs, device)
-    found: dict[tuple[str | None, int], tuple[float, float, float, float, float]] = {}
+    found: dict[tuple[str | None, int], tuple[float, float, float, float, float, float]] = {}
     # Linked segments without a tier run on the region engine, or on the graph engine where
     # that measured faster (blocks so small that the region engine's Python per call, which
     # the graph engine does not pay, outweighs the graph engine's per op).
-    on_graph: dict[int, tuple[float, float, float, float, float]] = {}
+    on_graph: dict[int, tuple[float, float, float, float, float, float]] = {}
     engines = [(tier, linked and tier is None) for tier in tiers]
     if linked and None in tiers and repeats > 0:
         engines.append((None, False))  # the last: the graph engine, for comparison
@@ -251,13 +257,14 @@ def _segments(
                 float(got.backward),
                 float(got.left - chain.left + span * single.left),
                 float(got.forward),
+                float(got.cached - chain.cached + span * single.cached),
                 measure_seconds(segment, plain, inputs, repeats) if repeats > 0 else math.nan,
             )
             if n < len(tiers):
                 found[tier, span] = values
             else:
                 on_graph[span] = values
-    if on_graph and sum(v[4] for v in on_graph.values()) < sum(found[None, k][4] for k in on_graph):
+    if on_graph and sum(v[5] for v in on_graph.values()) < sum(found[None, k][5] for k in on_graph):
         linked = False
         found.update({(None, k): v for k, v in on_graph.items()})
     per_block = forward_seconds + (0.0 if linked else record_seconds)
@@ -269,10 +276,17 @@ def _segments(
                 values, source = found[tier, span], "measured"
             else:  # memory: a block more adds what the third added; time: each its share
                 a, b = found[tier, 2], found[tier, 3]
-                grown = [y + (span - 3) * (y - x) for x, y in zip(a[:4], b[:4], strict=True)]
-                values = (grown[0], grown[1], grown[2], grown[3], span * (a[4] + b[4]) / 5)
+                grown = [y + (span - 3) * (y - x) for x, y in zip(a[:5], b[:5], strict=True)]
+                values = (
+                    grown[0],
+                    grown[1],
+                    grown[2],
+                    grown[3],
+                    grown[4],
+                    span * (a[5] + b[5]) / 5,
+                )
                 source = "extrapolated"
-            kept, backward, left, forward, seconds = values
+            kept, backward, left, forward, cached, seconds = values
             options.append(
                 Option(
                     name=f"segment-{span}" + (f"-{tier}" if tier else ""),
@@ -287,6 +301,7 @@ def _segments(
                     tier=tier,
                     forward=int(forward),
                     linked=linked and tier is None,
+                    cached=int(cached),
                 )
             )
     return options
@@ -313,7 +328,7 @@ def _measure(
 ) -> Option:
     copy_ = copy.deepcopy(block)
     apply_option(copy_, c.name, c.kind, c.decisions, c.tier)
-    kept, backward, left, forward = measure_memory(copy_, inputs, device)
+    kept, backward, left, forward, cached = measure_memory(copy_, inputs, device)
     measured = None
     if repeats > 0:
         timed = c.kind != "plain" or c.tier is not None
@@ -331,6 +346,7 @@ def _measure(
         c.tensors,
         tier=c.tier,
         forward=forward,
+        cached=cached,
     )
 
 
@@ -561,7 +577,13 @@ def _chain(
         plain.backward_peaks[i] - base[t].backward - sum(plain.kept[:i])
         for i, t in enumerate(types)
     )
-    costs = ChainCosts(head=plain.head - sum(plain.kept), before=0, tail=plain.tail, gaps=gaps)
+    costs = ChainCosts(
+        head=plain.head - sum(plain.kept),
+        before=0,
+        tail=plain.tail,
+        gaps=gaps,
+        forward_head=plain.forward_head - sum(plain.kept),
+    )
     chain: list[list[ChainOption]] = []
     names: list[list[str]] = []
     for i, t in enumerate(types):
@@ -583,6 +605,7 @@ def _chain(
                     # their peak).
                     left=max(o.left - o.span * base[t].left, 0),
                     span=o.span,
+                    cached=max(o.cached - o.span * base[t].cached, 0),
                 )
                 for o in here
             ]
@@ -637,6 +660,7 @@ class Profiled:
     chained: dict[str, str] = field(default_factory=dict)
     training: bool = True  # the model's mode when it was profiled
     input_bytes: int = 0  # of the tensors the first block got
+    autocast: Autocast | None = None  # the loop's, around each forward
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
     names: list[list[str]] = field(init=False)  # the name of each chain option
@@ -713,21 +737,13 @@ def profile_model(
             "an accelerator's yet. Plan a CPU copy of the model, or choose by hand there "
             "(remat.apply, remat.policies)."
         )
-    if torch.is_autocast_enabled(device.type):
-        raise RematError(
-            f"remat.plan: expected a step without autocast, found one inside torch.autocast("
-            f"{device.type!r}, dtype={torch.get_autocast_dtype(device.type)}). The planner runs "
-            "whole steps, backward and replays included, inside that one context, whose cast "
-            "copies of the weights stay cached from step to step, so it would measure less than "
-            "a loop that enters autocast for each forward holds (the small GPT at 60%: 203784 "
-            "bytes in the planner, 309704 in such a loop). remat.plan does not plan "
-            "mixed-precision steps yet: plan outside autocast for a loop without it, or choose a "
-            "strategy by hand for an autocast loop (remat.apply, remat.policies)."
-        )
+    # Inside torch.autocast, the plan is for a loop that enters it around each forward (see
+    # NOTE [ Planning under autocast ] in ``_autocast.py``).
+    autocast = Autocast.found(device.type)
     chosen_tiers = _tiers(tiers, device)
     paths = find_blocks(model, blocks)
     started = time.perf_counter()
-    with _as_found(model):
+    with outside(autocast), _as_found(model):
         step = _step(model, example_inputs, loss_fn)
         found = capture(model, paths, step)
         # Every predicted ratio divides by this time: the median of as many steps as each
@@ -782,6 +798,7 @@ def profile_model(
         chained=dict(found.chained),
         training=model.training,
         input_bytes=input_bytes(found.inputs[paths[0]]),
+        autocast=autocast,
     )
 
 
@@ -847,6 +864,7 @@ def solve(
             "solve_seconds": profiled.solve_seconds + dp_seconds,
             "chain_costs": {
                 "head": costs.head,
+                "forward_head": costs.forward_head,
                 "before": costs.before,
                 "tail": costs.tail,
                 "gaps": list(costs.gaps),
@@ -854,6 +872,7 @@ def solve(
         },
         tiers=profiled.tiers,
         training=profiled.training,
+        autocast=profiled.autocast.to_json() if profiled.autocast else None,
         bandwidths=dict(profiled.bandwidths),
         pareto=curve,
         measured={
@@ -892,7 +911,7 @@ def measured_peak(
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     blocks = [model.get_submodule(b["path"]) for b in plan.blocks]
-    with _as_found(model):
+    with outside(Autocast.from_json(plan.autocast)), _as_found(model):
         try:
             plan.apply(model)
             step = _step(model, example_inputs, loss_fn)

@@ -42,6 +42,7 @@ from ..errors import RematError
 from ..hf import cache_arguments
 from ..modules import checkpoint_wrapper
 from ..policies import Decision, OpContext, must_save_reason
+from ._autocast import loop_forward
 
 __all__: list[str] = []
 
@@ -361,7 +362,8 @@ def profile_block(
     checkpoint_wrapper(observed, policy=observer)
     args, kwargs = fresh_inputs(inputs)
     torch.manual_seed(0)
-    out = first_tensor(observed(*args, **kwargs))
+    with loop_forward():
+        out = first_tensor(observed(*args, **kwargs))
     graph = observer.graph
     if graph is not None:
         for packed in graph.packed:
@@ -378,13 +380,14 @@ def profile_block(
         args, kwargs = fresh_inputs(inputs)
         torch.manual_seed(0)
         timer = _Timer()
-        with torch.no_grad(), timer:
+        with torch.no_grad(), loop_forward(), timer:
             plain(*args, **kwargs)
         runs.append(timer.seconds)
         # What the region engine's recompute costs: the forward with autograd recording.
         args, kwargs = fresh_inputs(inputs)
         start = time.perf_counter()
-        plain(*args, **kwargs)
+        with loop_forward():
+            plain(*args, **kwargs)
         totals.append(time.perf_counter() - start)
     if all(len(r) == len(ops) for r in runs):
         for i, op in enumerate(ops):

@@ -74,6 +74,7 @@ __all__: list[str] = []
 
 REPLAY_OVERHEAD = 25e-6  # seconds the graph engine spends per replayed op besides the kernel
 RECORD_OVERHEAD = 20e-6  # seconds it spends recording one op in forward
+RAISES = 8  # steps of the head's raise for cached casts (see [ Casts cached to the forward's end ])
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,9 @@ class ChainOption:
     seconds: float  # step time added over a plain block
     left: int = 0  # bytes still held after its backward, until the step's backward ends
     span: int = 1  # blocks it covers: more than one for a segment (see [ Segments ])
+    # bytes autocast's cache holds from its forward to the forward's end, beyond plain's (see
+    # [ Casts cached to the forward's end ])
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -283,6 +287,14 @@ class ChainCosts:
     # Per block: what is live besides the blocks' kept bytes at its backward (what layers
     # between the blocks keep, skip tensors, gradients), on top of ``before``; none when empty.
     gaps: tuple[int, ...] = ()
+    # The part of ``head`` to the end of the forward, where autocast's cache still holds the
+    # casts of blocks that do not keep them (see [ Casts cached to the forward's end ]);
+    # None: all of it.
+    forward_head: int | None = None
+
+    def end(self, cached: int) -> int:
+        """What the head needs at the forward's end with ``cached`` bytes in autocast's cache."""
+        return (self.head if self.forward_head is None else self.forward_head) + cached
 
     def gap(self, i: int, span: int = 1) -> int:
         """The largest ``G`` of blocks ``i`` to ``i + span - 1``."""
@@ -305,7 +317,8 @@ def chain_peak(costs: ChainCosts, options: Sequence[ChainOption]) -> int:
         peak = max(peak, costs.before + costs.gap(i, o.span) + prefix + o.backward + left)
         prefix += o.kept
         i += o.span
-    return max(peak, costs.head + prefix)
+    cached = sum(o.cached for o in options)
+    return max(peak, costs.head + prefix, costs.end(cached) + prefix)
 
 
 def _singles(blocks: Sequence[Sequence[ChainOption]]) -> list[list[int]]:
@@ -324,7 +337,55 @@ def chain_dp(
     whose predicted peak fits ``budget``, or ``None`` (see [ The chain DP ]). The prefix sums
     live on a grid of ``budget / grid`` bytes, rounded down; an answer the exact model puts
     over the budget is solved again on finer grids, then on tighter budgets, so what is
-    returned always fits."""
+    returned always fits. Options whose casts autocast's cache holds are solved as [ Casts
+    cached to the forward's end ] says."""
+    # NOTE [ Casts cached to the forward's end ]
+    #
+    # Under a loop's autocast, the cast weights a block does not keep (a region's, a segment's)
+    # still live in autocast's cache until the forward's context ends (see NOTE [ Planning
+    # under autocast ] in ``_autocast.py``): ``cached`` bytes ``C_j`` that count at the
+    # forward's end, ``H_f + sum_j (K_j + C_j)`` (``H_f``: the head's part to the forward's
+    # end, ``ChainCosts.forward_head``), and nowhere after. The DP's state has no axis for
+    # them, so the DP runs on heads raised to ``H_f`` plus ``c``, for ``c`` in ``RAISES``
+    # even steps from zero to the most any assignment could cache, and, where an answer caches
+    # more than its ``c``, again at what it caches. Of the answers, the fastest that fits the
+    # exact model is returned; the last step's answer always does, where the DP finds one.
+    # It is the fastest for some raise, which may be above the fastest plan's own cached
+    # bytes: under autocast the chain is not proven optimal (on random chains of 2 to 5
+    # blocks, tests/test_plan_solve.py, it matched brute force in 41 of 44 feasible cases
+    # and found no plan in one).
+    if not any(o.cached for opts in blocks for o in opts):
+        return _chain_dp(costs, blocks, budget, grid, rgrid)
+    bare = [[dataclasses.replace(o, cached=0) for o in opts] for opts in blocks]
+    most = sum(max(o.cached for o in opts) for opts in blocks)
+    raises = {most * k // RAISES for k in range(RAISES + 1)}
+    tried: set[int] = set()
+    best: tuple[float, list[int]] | None = None
+    while raises - tried:
+        raised = min(raises - tried)
+        tried.add(raised)
+        head = max(costs.head, costs.end(raised))
+        picks = _chain_dp(dataclasses.replace(costs, head=head), bare, budget, grid, rgrid)
+        if picks is None:  # a larger raise only asks for more
+            break
+        options = chosen(blocks, picks)
+        if chain_peak(costs, options) <= budget:
+            seconds = sum(o.seconds for o in options)
+            if best is None or seconds < best[0]:
+                best = (seconds, picks)
+        else:
+            raises.add(sum(o.cached for o in options))
+    return None if best is None else best[1]
+
+
+def _chain_dp(
+    costs: ChainCosts,
+    blocks: Sequence[Sequence[ChainOption]],
+    budget: int,
+    grid: int,
+    rgrid: int,
+) -> list[int] | None:
+    """:func:`chain_dp` for options that cache nothing."""
     if not blocks:
         return [] if max(costs.head, costs.tail) <= budget else None
     fastest = [
