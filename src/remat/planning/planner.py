@@ -1053,6 +1053,10 @@ def plan(
         points: caps swept per block type for the per-op options.
         repeats: timing repeats (medians) per measured option.
 
+    Called inside ``torch.autocast``, it plans a loop that runs each forward and its loss under
+    those settings and backward outside (see NOTE [ Planning under autocast ] in
+    ``_autocast.py``); the plan records them (``Plan.autocast``).
+
     Raises :class:`~remat.RematError` for a malformed budget, and for one no plan fits,
     naming the smallest budget that fits.
     """
