@@ -96,13 +96,19 @@ def outside(autocast: Autocast | None) -> Iterator[None]:
     autocast ]); every :func:`loop_forward` inside enters ``autocast``. With None, only the
     latter (no forward enters a context) is set."""
     token = _LOOP.set(autocast)
-    if autocast is None:
-        try:
+    try:
+        if autocast is None:
             yield
-        finally:
-            _LOOP.reset(token)
-        return
-    device = autocast.device_type
+        else:
+            with _depth_zero(autocast.device_type):
+                yield
+    finally:
+        _LOOP.reset(token)
+
+
+@contextlib.contextmanager
+def _depth_zero(device: str) -> Iterator[None]:
+    """Autocast off for ``device`` and torch's context depth at zero; all restored after."""
     enabled, dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
     cache = torch.is_autocast_cache_enabled()
     depth = 0
@@ -119,7 +125,6 @@ def outside(autocast: Autocast | None) -> Iterator[None]:
         torch.set_autocast_enabled(device, enabled)
         torch.set_autocast_dtype(device, dtype)
         torch.set_autocast_cache_enabled(cache)
-        _LOOP.reset(token)
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -209,6 +209,17 @@ def _chains(block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]]) ->
     return t is not None and t.shape == args[0].shape and t.dtype == args[0].dtype
 
 
+class _SegmentCosts(NamedTuple):
+    """A segment's measured costs (see :func:`_segments`); ``seconds`` comes last."""
+
+    kept: float
+    backward: float
+    left: float
+    forward: float
+    cached: float
+    seconds: float
+
+
 def _segments(
     block: nn.Module,
     inputs: tuple[tuple[Any, ...], dict[str, Any]],
@@ -236,11 +247,11 @@ def _segments(
     if longest < 2 or not _chains(block, inputs):
         return []
     single = measure_memory(copy.deepcopy(block), inputs, device)
-    found: dict[tuple[str | None, int], tuple[float, float, float, float, float, float]] = {}
+    found: dict[tuple[str | None, int], _SegmentCosts] = {}
     # Linked segments without a tier run on the region engine, or on the graph engine where
     # that measured faster (blocks so small that the region engine's Python per call, which
     # the graph engine does not pay, outweighs the graph engine's per op).
-    on_graph: dict[int, tuple[float, float, float, float, float, float]] = {}
+    on_graph: dict[int, _SegmentCosts] = {}
     engines = [(tier, linked and tier is None) for tier in tiers]
     if linked and None in tiers and repeats > 0:
         engines.append((None, False))  # the last: the graph engine, for comparison
@@ -252,19 +263,20 @@ def _segments(
             segment = _Chain(block, span)
             apply_segment(segment, paths, tier, on_region)
             got = measure_memory(segment, inputs, device)
-            values = (
-                float(got.kept - chain.kept + span * single.kept),
-                float(got.backward),
-                float(got.left - chain.left + span * single.left),
-                float(got.forward),
-                float(got.cached - chain.cached + span * single.cached),
+            values = _SegmentCosts(
+                got.kept - chain.kept + span * single.kept,
+                got.backward,
+                got.left - chain.left + span * single.left,
+                got.forward,
+                got.cached - chain.cached + span * single.cached,
                 measure_seconds(segment, plain, inputs, repeats) if repeats > 0 else math.nan,
             )
             if n < len(tiers):
                 found[tier, span] = values
             else:
                 on_graph[span] = values
-    if on_graph and sum(v[5] for v in on_graph.values()) < sum(found[None, k][5] for k in on_graph):
+    on_graph_seconds = sum(v.seconds for v in on_graph.values())
+    if on_graph and on_graph_seconds < sum(found[None, k].seconds for k in on_graph):
         linked = False
         found.update({(None, k): v for k, v in on_graph.items()})
     per_block = forward_seconds + (0.0 if linked else record_seconds)
@@ -276,15 +288,8 @@ def _segments(
                 values, source = found[tier, span], "measured"
             else:  # memory: a block more adds what the third added; time: each its share
                 a, b = found[tier, 2], found[tier, 3]
-                grown = [y + (span - 3) * (y - x) for x, y in zip(a[:5], b[:5], strict=True)]
-                values = (
-                    grown[0],
-                    grown[1],
-                    grown[2],
-                    grown[3],
-                    grown[4],
-                    span * (a[5] + b[5]) / 5,
-                )
+                grown = [y + (span - 3) * (y - x) for x, y in zip(a[:-1], b[:-1], strict=True)]
+                values = _SegmentCosts._make([*grown, span * (a.seconds + b.seconds) / 5])
                 source = "extrapolated"
             kept, backward, left, forward, cached, seconds = values
             options.append(
