@@ -62,12 +62,14 @@ from .apply import (
 from .cost import PlainStep, measure_memory, measure_plain_step, measure_seconds, peak_bytes
 from .profile import BlockProfile, capture, find_blocks, first_tensor, fresh_inputs, profile_block
 from .solve import (
+    CHAIN_MILP_SECONDS,
     RECORD_OVERHEAD,
     ChainCosts,
     ChainOption,
     OpChoice,
     chain_dp,
     chain_peak,
+    chain_solve,
     chosen,
     pareto,
 )
@@ -825,7 +827,7 @@ def solve(
     plain, costs, chain, options = profiled.plain, profiled.costs, profiled.chain, profiled.options
     budget_bytes = parse_budget(budget, plain.peak)
     start = time.perf_counter()
-    picks = chain_dp(costs, _charged(chain, charges or {}), budget_bytes)
+    picks, optimal = chain_solve(costs, _charged(chain, charges or {}), budget_bytes)
     dp_seconds = time.perf_counter() - start
     if picks is None:
         smallest = _smallest(costs, chain)
@@ -840,7 +842,7 @@ def solve(
     curve = []
     for fraction in (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.1):
         b = int(plain.peak * fraction)
-        p = chain_dp(costs, chain, b)
+        p = chain_solve(costs, chain, b, time_limit=1.0).picks  # a point of the curve
         if p is not None:
             opts = chosen(chain, p)
             curve.append(
@@ -864,7 +866,7 @@ def solve(
         options=options,
         solver={
             "block": "HiGHS MILP (scipy.optimize.milp) per block type",
-            "chain": "exact DP over the chain of blocks",
+            "chain": _chain_solver(chain, optimal),
             "gap": max(gaps, default=0.0),
             "solve_seconds": profiled.solve_seconds + dp_seconds,
             "chain_costs": {
@@ -887,6 +889,14 @@ def solve(
             "input_bytes": profiled.input_bytes,
         },
     )
+
+
+def _chain_solver(chain: list[list[ChainOption]], optimal: bool) -> str:
+    """How the chain was solved, for the plan (see [ Casts cached to the forward's end ])."""
+    if not any(o.cached for opts in chain for o in opts):
+        return "exact DP over the chain of blocks"
+    proof = "optimal" if optimal else f"not proven optimal: stopped at {CHAIN_MILP_SECONDS:g} s"
+    return f"DP, then HiGHS MILP over the chain of blocks (casts cached under autocast; {proof})"
 
 
 def _blocks(profiled: Profiled, picks: list[int]) -> list[dict[str, str]]:

@@ -63,9 +63,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import RematError
 from .profile import BlockProfile
@@ -75,6 +76,7 @@ __all__: list[str] = []
 REPLAY_OVERHEAD = 25e-6  # seconds the graph engine spends per replayed op besides the kernel
 RECORD_OVERHEAD = 20e-6  # seconds it spends recording one op in forward
 RAISES = 8  # steps of the head's raise for cached casts (see [ Casts cached to the forward's end ])
+CHAIN_MILP_SECONDS = 5.0  # the most the chain's MILP runs per budget (same note)
 
 
 @dataclass(frozen=True)
@@ -326,6 +328,14 @@ def _singles(blocks: Sequence[Sequence[ChainOption]]) -> list[list[int]]:
     return [[k for k, o in enumerate(opts) if o.span == 1] for opts in blocks]
 
 
+class ChainAnswer(NamedTuple):
+    """What :func:`chain_solve` found: the assignment (``None``: no assignment fits) and
+    whether it is proven the fastest that fits."""
+
+    picks: list[int] | None
+    optimal: bool
+
+
 def chain_dp(
     costs: ChainCosts,
     blocks: Sequence[Sequence[ChainOption]],
@@ -333,12 +343,25 @@ def chain_dp(
     grid: int = 1024,
     rgrid: int = 64,
 ) -> list[int] | None:
+    """The assignment :func:`chain_solve` finds (``None``: none fits)."""
+    return chain_solve(costs, blocks, budget, grid, rgrid).picks
+
+
+def chain_solve(
+    costs: ChainCosts,
+    blocks: Sequence[Sequence[ChainOption]],
+    budget: int,
+    grid: int = 1024,
+    rgrid: int = 64,
+    time_limit: float = CHAIN_MILP_SECONDS,
+) -> ChainAnswer:
     """The fastest assignment (one option index per block, ``-1`` where a segment covers it)
-    whose predicted peak fits ``budget``, or ``None`` (see [ The chain DP ]). The prefix sums
-    live on a grid of ``budget / grid`` bytes, rounded down; an answer the exact model puts
-    over the budget is solved again on finer grids, then on tighter budgets, so what is
-    returned always fits. Options whose casts autocast's cache holds are solved as [ Casts
-    cached to the forward's end ] says."""
+    whose predicted peak fits ``budget`` (see [ The chain DP ]). The prefix sums live on a
+    grid of ``budget / grid`` bytes, rounded down; an answer the exact model puts over the
+    budget is solved again on finer grids, then on tighter budgets, so what is returned
+    always fits. Options whose casts autocast's cache holds are solved as [ Casts cached to
+    the forward's end ] says, by a MILP that may stop at ``time_limit`` seconds with its best
+    answer so far (``optimal`` False)."""
     # NOTE [ Casts cached to the forward's end ]
     #
     # Under a loop's autocast, the cast weights a block does not keep (a region's, a segment's)
@@ -346,16 +369,42 @@ def chain_dp(
     # under autocast ] in ``_autocast.py``): ``cached`` bytes ``C_j`` that count at the
     # forward's end, ``H_f + sum_j (K_j + C_j)`` (``H_f``: the head's part to the forward's
     # end, ``ChainCosts.forward_head``), and nowhere after. The DP's state has no axis for
-    # them, so the DP runs on heads raised to ``H_f`` plus ``c``, for ``c`` in ``RAISES``
-    # even steps from zero to the most any assignment could cache, and, where an answer caches
-    # more than its ``c``, again at what it caches. Of the answers, the fastest that fits the
-    # exact model is returned; the last step's answer always does, where the DP finds one.
-    # It is the fastest for some raise, which may be above the fastest plan's own cached
-    # bytes: under autocast the chain is not proven optimal (on random chains of 2 to 5
-    # blocks, tests/test_plan_solve.py, it matched brute force in 41 of 44 feasible cases
-    # and found no plan in one).
+    # them; a third axis on its grid multiplies its memory by the axis' size, and rounding
+    # casts a few grid units wide sends its answers to the retries (1-7 s a budget on the
+    # medium GPT's 8 blocks). Such a chain is solved in two steps:
+    #
+    # 1. the DP on heads raised to ``H_f`` plus ``c``, for ``c`` in ``RAISES`` even steps from
+    #    zero to the most any assignment could cache, and, where an answer caches more than
+    #    its ``c``, again at what it caches; the fastest answer that fits the exact model is
+    #    kept. It is fast and often the fastest there is, not always: on the medium GPT in
+    #    bfloat16 with the disk tier, it found no plan at 38 MiB where one fits, and at 60 MiB
+    #    one 10% slower in recompute than the best;
+    # 2. a MILP over the chain by HiGHS (:func:`_chain_milp`): exact for the same model, with
+    #    step 1's time as a bound on its objective. On the medium GPT's chain it takes
+    #    0.01-0.4 s a budget; on chains of many identical blocks it can take far longer (30 s
+    #    for some budgets at 24 blocks: its binaries have many equivalent orders), so it stops
+    #    at ``time_limit``, and the faster of the two answers is returned, marked not proven
+    #    optimal.
     if not any(o.cached for opts in blocks for o in opts):
-        return _chain_dp(costs, blocks, budget, grid, rgrid)
+        return ChainAnswer(_chain_dp(costs, blocks, budget, grid, rgrid), True)
+    raised = _raised_dp(costs, blocks, budget, grid, rgrid)
+    bound = None if raised is None else sum(o.seconds for o in chosen(blocks, raised))
+    found = _chain_milp(costs, blocks, budget, bound, time_limit)
+    if found.picks is None:  # nothing faster than the bound fits
+        return ChainAnswer(raised, found.optimal)
+    if bound is not None and sum(o.seconds for o in chosen(blocks, found.picks)) >= bound:
+        return ChainAnswer(raised, found.optimal)  # within HiGHS' tolerance of the bound
+    return found
+
+
+def _raised_dp(
+    costs: ChainCosts,
+    blocks: Sequence[Sequence[ChainOption]],
+    budget: int,
+    grid: int,
+    rgrid: int,
+) -> list[int] | None:
+    """Step 1 of [ Casts cached to the forward's end ]: the DP on raised heads."""
     bare = [[dataclasses.replace(o, cached=0) for o in opts] for opts in blocks]
     most = sum(max(o.cached for o in opts) for opts in blocks)
     raises = {most * k // RAISES for k in range(RAISES + 1)}
@@ -376,6 +425,117 @@ def chain_dp(
         else:
             raises.add(sum(o.cached for o in options))
     return None if best is None else best[1]
+
+
+def _chain_milp(
+    costs: ChainCosts,
+    blocks: Sequence[Sequence[ChainOption]],
+    budget: int,
+    bound: float | None,
+    time_limit: float,
+) -> ChainAnswer:
+    """Step 2 of [ Casts cached to the forward's end ]: the chain as a MILP, for an answer
+    faster than ``bound`` seconds (``picks`` None: none fits, or none was found in time).
+
+    A binary ``x`` per option (block ``i``, option ``o``) and, per block boundary ``b``,
+    continuous ``P_b`` (the kept bytes of the options that end by ``b``) and ``S_b`` (what the
+    options that start at ``b`` or later leave held after their backward). Every block is
+    covered by exactly one option; the forward's end reads ``H + P_n`` and
+    ``H_f + P_n + sum C x``, the tail ``tail + S_0``, and option ``(i, o)``'s backward, where
+    it is chosen, ``E + G + P_i + B_o + S_{i + span}``, by a big-M row that holds for every
+    value the sums can take when it is not. Bytes are in units of the budget. The answer is
+    checked on the exact model; one HiGHS lets over its feasibility tolerance is solved again
+    on a budget lowered by the excess, so what is returned always fits."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+
+    n = len(blocks)
+    if n == 0:
+        return ChainAnswer(
+            [] if max(costs.head, costs.end(0), costs.tail) <= budget else None, True
+        )
+    items = [(i, k) for i, opts in enumerate(blocks) for k, o in enumerate(opts) if i + o.span <= n]
+    m = len(items)
+    p0, s0 = m, m + n + 1  # P_0..P_n, then S_0..S_n
+    width = m + 2 * (n + 1)
+    most_kept = sum(max(o.kept for o in opts) for opts in blocks)
+    most_left = sum(max(o.left for o in opts) for opts in blocks)
+    seconds = np.array([blocks[i][k].seconds for i, k in items])
+    deadline = time.perf_counter() + time_limit
+    target = budget
+    for _ in range(8):
+        if target <= 0:
+            break
+        scale = float(target)
+        rows: list[tuple[dict[int, float], float, float]] = []
+        for b in range(n):  # each block covered once
+            covers = {c: 1.0 for c, (i, k) in enumerate(items) if i <= b < i + blocks[i][k].span}
+            rows.append((covers, 1.0, 1.0))
+        rows.append(({p0: 1.0}, 0.0, 0.0))
+        rows.append(({s0 + n: 1.0}, 0.0, 0.0))
+        for b in range(1, n + 1):  # P_b = P_{b-1} + kept of the options ending at b
+            row = {p0 + b: 1.0, p0 + b - 1: -1.0}
+            for c, (i, k) in enumerate(items):
+                if i + blocks[i][k].span == b:
+                    row[c] = -blocks[i][k].kept / scale
+            rows.append((row, 0.0, 0.0))
+        for b in range(n):  # S_b = S_{b+1} + left of the options starting at b
+            row = {s0 + b: 1.0, s0 + b + 1: -1.0}
+            for c, (i, k) in enumerate(items):
+                if i == b:
+                    row[c] = -blocks[i][k].left / scale
+            rows.append((row, 0.0, 0.0))
+        cached = {c: blocks[i][k].cached / scale for c, (i, k) in enumerate(items)}
+        rows.append(({p0 + n: 1.0}, -math.inf, (target - costs.head) / scale))
+        rows.append(({p0 + n: 1.0, **cached}, -math.inf, (target - costs.end(0)) / scale))
+        rows.append(({s0: 1.0}, -math.inf, (target - costs.tail) / scale))
+        for c, (i, k) in enumerate(items):
+            o = blocks[i][k]
+            fixed = costs.before + costs.gap(i, o.span) + o.backward
+            worst = fixed + most_kept + most_left - target  # the row's excess at its largest
+            if worst <= 0:
+                continue
+            big = worst / scale
+            high = (target - fixed) / scale + big
+            rows.append(({p0 + i: 1.0, s0 + i + o.span: 1.0, c: big}, -math.inf, high))
+        if bound is not None:  # faster than the answer in hand, by more than rounding
+            rows.append(
+                ({c: float(t) for c, t in enumerate(seconds)}, -math.inf, bound * (1 - 1e-9))
+            )
+        a = lil_matrix((len(rows), width))
+        lo, hi = np.empty(len(rows)), np.empty(len(rows))
+        for r, (coefs, low, high) in enumerate(rows):
+            for col, v in coefs.items():
+                a[r, col] = v
+            lo[r], hi[r] = low, high
+        cost = np.zeros(width)
+        cost[:m] = seconds
+        integrality = np.zeros(width)
+        integrality[:m] = 1
+        upper = np.full(width, np.inf)
+        upper[:m] = 1
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return ChainAnswer(None, False)
+        result = milp(
+            cost,
+            constraints=LinearConstraint(a.tocsr(), lo, hi),
+            integrality=integrality,
+            bounds=Bounds(np.zeros(width), upper),
+            options={"mip_rel_gap": 0.0, "time_limit": left},
+        )
+        if result.x is None:
+            return ChainAnswer(None, result.status == 2)  # 2: proven infeasible
+        picks = [-1] * n
+        for c, (i, k) in enumerate(items):
+            if result.x[c] > 0.5:
+                picks[i] = k
+        peak = chain_peak(costs, chosen(blocks, picks))
+        if peak <= budget:
+            return ChainAnswer(picks, result.status == 0 and target == budget)
+        target -= peak - budget
+    return ChainAnswer(None, False)
 
 
 def _chain_dp(
