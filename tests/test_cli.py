@@ -133,6 +133,40 @@ def test_bench_plans_at_each_torch_peak(tmp_path: Path, capsys: pytest.CaptureFi
     assert f"(control +-{found['control_spread']:.3f}): {found['verdict']}" in out
 
 
+def test_bench_under_autocast_runs_and_plans_the_mixed_precision_loop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "r.json"
+    code, out, err = _run(
+        capsys,
+        "bench",
+        "--size", "small",
+        "--autocast", "bf16",
+        "--strategies", "torch-block",
+        "--budgets", "0.5",
+        "--rounds", "1",
+        "--json", str(out_json),
+        "--plot", str(tmp_path / "r.png"),
+        "--no-progress",
+    )  # fmt: skip
+    assert code == 0, err
+    data = json.loads(out_json.read_text())
+    assert data["autocast"] == "bfloat16" and data["workload"] == "gpt-small-bf16"
+    assert "remat bench: gpt-small-bf16 on cpu" in out
+    assert "under autocast (bfloat16)" in data["description"]
+    rows = {r["strategy"]: r for r in data["rows"]}
+    assert all(r["grads_equal"] for r in rows.values())
+    # The plan is the autocast loop's: its prediction is the loop's measured peak, to the byte.
+    planned = rows["remat-auto@50%"]
+    assert planned["budget_feasible"] and planned["peak_bytes"] <= planned["budget_bytes"]
+    assert planned["predicted_peak_bytes"] == planned["peak_bytes"]
+    # And the loop ran under autocast: the plain step's peak is not the float32 one.
+    fp32 = measure.handle(
+        {"kind": "memory", "workload": "gpt", "size": "small", "strategy": "none", "seed": 0}
+    )
+    assert rows["none"]["peak_bytes"] != fp32["peak_bytes"]
+
+
 def test_bench_plans_with_the_disk_tier_below_what_recompute_reaches(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -178,6 +212,7 @@ BAD: list[tuple[list[str], str]] = [
     (["--strategies", "none,remat-block", "--budgets", "torch"], "the run has no torch strategy"),
     (["--strategies", "remat-auto@torch-block"], "torch-block is not in the run; add it"),
     (["--strategies", "torch-block,remat-auto@torch-blok"], "unknown strategy 'torch-blok'"),
+    (["--offload", "--autocast", "bf16"], "--autocast runs the strategy table under autocast"),
 ]
 
 

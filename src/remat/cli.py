@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -17,6 +18,8 @@ __all__: list[str] = []
 _DEFAULT_BUDGETS = "0.75,0.5,0.25,torch"
 # Below what recompute alone reaches on the default workload (gpt, medium: 20% of the plain peak).
 _DEFAULT_DISK_BUDGETS = "0.18"
+# ``--autocast``: the dtypes torch.autocast takes on a CPU and on CUDA.
+_AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
         "process and moves step times by a few percent; more processes average that out",
     )
     bench.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    bench.add_argument(
+        "--autocast",
+        choices=tuple(_AUTOCAST),
+        help="run every strategy's forward and loss under torch.autocast in this dtype, "
+        "backward outside it, as a mixed-precision loop does; the planner plans that loop "
+        "(default: the model's own dtype, float32)",
+    )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
         "--allocator",
@@ -135,6 +145,11 @@ def _bench(args: argparse.Namespace) -> int:
             "remat bench: --processes pools the step times of the strategy table; --pipeline "
             "and --offload measure in one process each. Drop --processes."
         )
+    if args.autocast and (args.pipeline or args.offload or args.solve_time):
+        raise RematError(
+            "remat bench: --autocast runs the strategy table under autocast; --pipeline, "
+            "--offload and --solve-time measure in float32. Drop --autocast."
+        )
     if args.pipeline:
         return _pipeline(args)
     if args.offload:
@@ -154,6 +169,16 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         workload = get_workload(args.workload, args.size)
         name = f"{args.workload}-{args.size}"
+    if args.autocast:
+        import torch
+
+        dtype = _AUTOCAST[args.autocast]
+        workload = dataclasses.replace(
+            workload,
+            autocast=getattr(torch, dtype),
+            description=f"{workload.description}; forward and loss under autocast ({dtype})",
+        )
+        name += f"-{args.autocast}"
     if args.strategies:
         strategies = args.strategies.split(",")
         for strategy in strategies:
@@ -196,6 +221,7 @@ def _bench(args: argparse.Namespace) -> int:
     base = {"workload": args.workload, "size": args.size, "hf": args.hf, "seed": args.seed}
     base["device"] = args.device
     base["allocator"] = args.allocator
+    base["autocast"] = _AUTOCAST[args.autocast] if args.autocast else None
     result = _run(
         base, strategies, args.rounds, args.processes, workload, name, not args.no_progress
     )
@@ -226,7 +252,8 @@ def _bench(args: argparse.Namespace) -> int:
         low, high = result.control_time_range
         print(
             "timing control: the plain step against a second plain model timed next to it, "
-            f"{result.control_time_ratio:.3f} (rounds {low:.3f}-{high:.3f}; {result.rounds} rounds "
+            f"{result.control_time_ratio:.3f} (rounds {low:.3f}-{high:.3f}; {result.rounds} "
+            f"round{'s' if result.rounds > 1 else ''} "
             f"in {result.processes} timing process{'es' if result.processes > 1 else ''}); time "
             "ratios no farther from 1 than this one are within this run's noise"
         )
@@ -451,6 +478,7 @@ def _result(
         replay_us_per_op=timing.get("replay_us_per_op"),
         dispatch_mode_us_per_op=timing.get("dispatch_mode_us_per_op"),
         allocator=base["allocator"],
+        autocast=base.get("autocast"),
         control_time_ratio=timing["control"]["ratio"],
         control_time_range=(timing["control"]["low"], timing["control"]["high"]),
         processes=processes,

@@ -29,6 +29,7 @@ that each planned strategy is measured and timed with the one plan it was given.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -54,7 +55,8 @@ _CONTENDED = 0.15  # other processes' CPU seconds per wall second above which a 
 def training_step(model: nn.Module, workload: Workload, batch: Any, seed: int) -> torch.Tensor:
     inputs, target = batch
     torch.manual_seed(seed)
-    loss = workload.loss_fn(model(inputs), target)
+    with workload.forward_context(inputs.device):
+        loss = workload.loss_fn(model(inputs), target)
     loss.backward()  # type: ignore[no-untyped-call]
     return loss.detach()
 
@@ -406,6 +408,8 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
         workload = get_hf_workload(request["hf"], request["size"])
     else:
         workload = get_workload(request["workload"], request["size"])
+    if request.get("autocast"):
+        workload = dataclasses.replace(workload, autocast=getattr(torch, request["autocast"]))
     device = torch.device(request.get("device", "cpu"))
     seed = int(request.get("seed", 0))
     if request.get("plans_file"):

@@ -74,6 +74,7 @@ class Result:
     # A dispatch mode that only runs each op, per op in forward: the floor under recording.
     dispatch_mode_us_per_op: float | None = None
     allocator: str = "cached"  # see ``remat bench --allocator``
+    autocast: str | None = None  # the dtype of forward and loss under torch.autocast, if any
     # The plain step against a second plain model timed next to it in every round: the median
     # ratio, and its lowest and highest round (see ``measure.times``).
     control_time_ratio: float | None = None

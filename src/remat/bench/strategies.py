@@ -363,7 +363,8 @@ def plan_budgets(
     started = time.perf_counter()
     blocks = [name for name, _ in workload.blocks(model)]
     tiers = list(dict.fromkeys(t for name in budgets for t in plan_tiers(name)))
-    profiled = profile_model(model, inputs, loss_fn, blocks=blocks, tiers=tiers)
+    with workload.forward_context(device):  # the planner plans the loop's autocast
+        profiled = profile_model(model, inputs, loss_fn, blocks=blocks, tiers=tiers)
     profile_seconds = time.perf_counter() - started
     return {
         name: {

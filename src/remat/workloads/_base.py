@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,9 @@ class Workload:
         block_types: The repeated block classes; "checkpoint every block" wraps each
             outermost instance of these.
         description: One line describing the shape of the model and batch.
+        autocast: The dtype the training loop runs forward and loss in, under
+            ``torch.autocast`` (backward outside it, as in torch's recipe), or ``None`` for
+            the model's own dtype. See :meth:`forward_context`.
     """
 
     name: str
@@ -38,6 +42,14 @@ class Workload:
     blocks_chain: bool = False
     """Whether each block's output is the next block's input, with nothing in between (what
     ``checkpoint_sequential`` over the blocks needs)."""
+    autocast: torch.dtype | None = None
+
+    def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """The context the training loop runs forward and loss in on ``device``:
+        ``torch.autocast`` with :attr:`autocast`, or one that does nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast)
 
     def model(self, seed: int = 0) -> nn.Module:
         """Build the model on the CPU with parameters determined by ``seed``.
