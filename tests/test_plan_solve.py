@@ -388,6 +388,12 @@ def test_a_plan_the_raised_dp_misses_under_autocast_is_found() -> None:
     assert picks is not None and optimal
     assert sum(o.seconds for o in chosen(blocks, picks)) == 4.5
     assert chain_peak(costs, chosen(blocks, picks)) <= 1500
+    # Out of time before the MILP runs, the answer is the DP's, and it says it is not proven.
+    assert chain_solve(costs, blocks, 1500, time_limit=0.0) == (None, False)
+    assert chain_solve(costs, blocks, 1600, time_limit=0.0) == (
+        _raised_dp(costs, blocks, 1600, 1024, 64),
+        False,
+    )
 
 
 def test_casts_cached_to_the_forward_end_count_there_and_not_in_backward() -> None:

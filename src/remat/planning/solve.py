@@ -451,10 +451,6 @@ def _chain_milp(
     from scipy.sparse import lil_matrix
 
     n = len(blocks)
-    if n == 0:
-        return ChainAnswer(
-            [] if max(costs.head, costs.end(0), costs.tail) <= budget else None, True
-        )
     items = [(i, k) for i, opts in enumerate(blocks) for k, o in enumerate(opts) if i + o.span <= n]
     m = len(items)
     p0, s0 = m, m + n + 1  # P_0..P_n, then S_0..S_n
