@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -172,12 +171,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.autocast:
         import torch
 
-        dtype = _AUTOCAST[args.autocast]
-        workload = dataclasses.replace(
-            workload,
-            autocast=getattr(torch, dtype),
-            description=f"{workload.description}; forward and loss under autocast ({dtype})",
-        )
+        workload = workload.with_autocast(getattr(torch, _AUTOCAST[args.autocast]))
         name += f"-{args.autocast}"
     if args.strategies:
         strategies = args.strategies.split(",")

@@ -29,7 +29,6 @@ that each planned strategy is measured and timed with the one plan it was given.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -409,7 +408,7 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
     else:
         workload = get_workload(request["workload"], request["size"])
     if request.get("autocast"):
-        workload = dataclasses.replace(workload, autocast=getattr(torch, request["autocast"]))
+        workload = workload.with_autocast(getattr(torch, request["autocast"]))
     device = torch.device(request.get("device", "cpu"))
     seed = int(request.get("seed", 0))
     if request.get("plans_file"):

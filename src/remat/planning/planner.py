@@ -895,7 +895,7 @@ def _chain_solver(chain: list[list[ChainOption]], optimal: bool) -> str:
     """How the chain was solved, for the plan (see [ Casts cached to the forward's end ])."""
     if not any(o.cached for opts in chain for o in opts):
         return "exact DP over the chain of blocks"
-    proof = "optimal" if optimal else f"not proven optimal: stopped at {CHAIN_MILP_SECONDS:g} s"
+    proof = "optimal" if optimal else f"not proven optimal within {CHAIN_MILP_SECONDS:g} s"
     return f"DP, then HiGHS MILP over the chain of blocks (casts cached under autocast; {proof})"
 
 

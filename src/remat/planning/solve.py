@@ -436,87 +436,38 @@ def _chain_milp(
 ) -> ChainAnswer:
     """Step 2 of [ Casts cached to the forward's end ]: the chain as a MILP, for an answer
     faster than ``bound`` seconds (``picks`` None: none fits, or none was found in time).
-
-    A binary ``x`` per option (block ``i``, option ``o``) and, per block boundary ``b``,
-    continuous ``P_b`` (the kept bytes of the options that end by ``b``) and ``S_b`` (what the
-    options that start at ``b`` or later leave held after their backward). Every block is
-    covered by exactly one option; the forward's end reads ``H + P_n`` and
-    ``H_f + P_n + sum C x``, the tail ``tail + S_0``, and option ``(i, o)``'s backward, where
-    it is chosen, ``E + G + P_i + B_o + S_{i + span}``, by a big-M row that holds for every
-    value the sums can take when it is not. Bytes are in units of the budget. The answer is
-    checked on the exact model; one HiGHS lets over its feasibility tolerance is solved again
-    on a budget lowered by the excess, so what is returned always fits."""
+    The rows are :func:`_chain_rows`'. The answer is checked on the exact model; one HiGHS
+    lets over its feasibility tolerance is solved again on a budget lowered by the excess, so
+    what is returned always fits."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_matrix
+    from scipy.sparse import csr_matrix
 
     n = len(blocks)
     items = [(i, k) for i, opts in enumerate(blocks) for k, o in enumerate(opts) if i + o.span <= n]
-    m = len(items)
-    p0, s0 = m, m + n + 1  # P_0..P_n, then S_0..S_n
-    width = m + 2 * (n + 1)
-    most_kept = sum(max(o.kept for o in opts) for opts in blocks)
-    most_left = sum(max(o.left for o in opts) for opts in blocks)
-    seconds = np.array([blocks[i][k].seconds for i, k in items])
+    m, width = len(items), len(items) + 2 * (n + 1)
+    seconds = [blocks[i][k].seconds for i, k in items]
+    cost = np.zeros(width)
+    cost[:m] = seconds
+    integrality = np.zeros(width)
+    integrality[:m] = 1
+    upper = np.full(width, np.inf)
+    upper[:m] = 1
     deadline = time.perf_counter() + time_limit
     target = budget
     for _ in range(8):
-        if target <= 0:
-            break
-        scale = float(target)
-        rows: list[tuple[dict[int, float], float, float]] = []
-        for b in range(n):  # each block covered once
-            covers = {c: 1.0 for c, (i, k) in enumerate(items) if i <= b < i + blocks[i][k].span}
-            rows.append((covers, 1.0, 1.0))
-        rows.append(({p0: 1.0}, 0.0, 0.0))
-        rows.append(({s0 + n: 1.0}, 0.0, 0.0))
-        for b in range(1, n + 1):  # P_b = P_{b-1} + kept of the options ending at b
-            row = {p0 + b: 1.0, p0 + b - 1: -1.0}
-            for c, (i, k) in enumerate(items):
-                if i + blocks[i][k].span == b:
-                    row[c] = -blocks[i][k].kept / scale
-            rows.append((row, 0.0, 0.0))
-        for b in range(n):  # S_b = S_{b+1} + left of the options starting at b
-            row = {s0 + b: 1.0, s0 + b + 1: -1.0}
-            for c, (i, k) in enumerate(items):
-                if i == b:
-                    row[c] = -blocks[i][k].left / scale
-            rows.append((row, 0.0, 0.0))
-        cached = {c: blocks[i][k].cached / scale for c, (i, k) in enumerate(items)}
-        rows.append(({p0 + n: 1.0}, -math.inf, (target - costs.head) / scale))
-        rows.append(({p0 + n: 1.0, **cached}, -math.inf, (target - costs.end(0)) / scale))
-        rows.append(({s0: 1.0}, -math.inf, (target - costs.tail) / scale))
-        for c, (i, k) in enumerate(items):
-            o = blocks[i][k]
-            fixed = costs.before + costs.gap(i, o.span) + o.backward
-            worst = fixed + most_kept + most_left - target  # the row's excess at its largest
-            if worst <= 0:
-                continue
-            big = worst / scale
-            high = (target - fixed) / scale + big
-            rows.append(({p0 + i: 1.0, s0 + i + o.span: 1.0, c: big}, -math.inf, high))
-        if bound is not None:  # faster than the answer in hand, by more than rounding
-            rows.append(
-                ({c: float(t) for c, t in enumerate(seconds)}, -math.inf, bound * (1 - 1e-9))
-            )
-        a = lil_matrix((len(rows), width))
-        lo, hi = np.empty(len(rows)), np.empty(len(rows))
-        for r, (coefs, low, high) in enumerate(rows):
-            for col, v in coefs.items():
-                a[r, col] = v
-            lo[r], hi[r] = low, high
-        cost = np.zeros(width)
-        cost[:m] = seconds
-        integrality = np.zeros(width)
-        integrality[:m] = 1
-        upper = np.full(width, np.inf)
-        upper[:m] = 1
         left = deadline - time.perf_counter()
-        if left <= 0:
-            return ChainAnswer(None, False)
+        if target <= 0 or left <= 0:
+            break
+        rows = _chain_rows(costs, blocks, items, target)
+        if bound is not None:  # faster than the answer in hand, by more than rounding
+            rows.append((dict(enumerate(seconds)), -math.inf, bound * (1 - 1e-9)))
+        entries = [(r, c, v) for r, (coefs, _, _) in enumerate(rows) for c, v in coefs.items()]
+        r_, c_, v_ = zip(*entries, strict=True)
+        a = csr_matrix((v_, (r_, c_)), shape=(len(rows), width))
         result = milp(
             cost,
-            constraints=LinearConstraint(a.tocsr(), lo, hi),
+            constraints=LinearConstraint(a, [r[1] for r in rows], [r[2] for r in rows]),
             integrality=integrality,
             bounds=Bounds(np.zeros(width), upper),
             options={"mip_rel_gap": 0.0, "time_limit": left},
@@ -532,6 +483,51 @@ def _chain_milp(
             return ChainAnswer(picks, result.status == 0 and target == budget)
         target -= peak - budget
     return ChainAnswer(None, False)
+
+
+def _chain_rows(
+    costs: ChainCosts,
+    blocks: Sequence[Sequence[ChainOption]],
+    items: Sequence[tuple[int, int]],
+    target: int,
+) -> list[tuple[dict[int, float], float, float]]:
+    """The rows (coefficients by column, low, high) of :func:`_chain_milp` at ``target``.
+
+    Columns: a binary ``x`` per option (``items``: block ``i``, option ``o``), then per block
+    boundary ``b`` continuous ``P_b`` (the kept bytes of the options that end by ``b``), then
+    ``S_b`` (what the options that start at ``b`` or later leave held after their backward).
+    Every block is covered by exactly one option; the forward's end reads ``H + P_n`` and
+    ``H_f + P_n + sum C x``, the tail ``tail + S_0``, and option ``(i, o)``'s backward, where
+    it is chosen, ``E + G + P_i + B_o + S_{i + span}``, by a big-M row that holds for every
+    value the sums can take when it is not. Bytes are in units of ``target``."""
+    n, m = len(blocks), len(items)
+    p0, s0 = m, m + n + 1
+    scale = float(target)
+    chosen_at = [(c, i, blocks[i][k]) for c, (i, k) in enumerate(items)]
+    rows: list[tuple[dict[int, float], float, float]] = [
+        ({p0: 1.0}, 0.0, 0.0),
+        ({s0 + n: 1.0}, 0.0, 0.0),
+    ]
+    for b in range(n):  # each block covered once
+        rows.append(({c: 1.0 for c, i, o in chosen_at if i <= b < i + o.span}, 1.0, 1.0))
+    for b in range(1, n + 1):  # P_b = P_{b-1} + kept of the options ending at b
+        ending = {c: -o.kept / scale for c, i, o in chosen_at if i + o.span == b}
+        rows.append(({p0 + b: 1.0, p0 + b - 1: -1.0, **ending}, 0.0, 0.0))
+    for b in range(n):  # S_b = S_{b+1} + left of the options starting at b
+        starting = {c: -o.left / scale for c, i, o in chosen_at if i == b}
+        rows.append(({s0 + b: 1.0, s0 + b + 1: -1.0, **starting}, 0.0, 0.0))
+    cached = {c: o.cached / scale for c, _, o in chosen_at}
+    rows.append(({p0 + n: 1.0}, -math.inf, (target - costs.head) / scale))
+    rows.append(({p0 + n: 1.0, **cached}, -math.inf, (target - costs.end(0)) / scale))
+    rows.append(({s0: 1.0}, -math.inf, (target - costs.tail) / scale))
+    most = sum(max(o.kept for o in opts) + max(o.left for o in opts) for opts in blocks)
+    for c, i, o in chosen_at:
+        fixed = costs.before + costs.gap(i, o.span) + o.backward
+        big = (fixed + most - target) / scale  # the row's excess at its largest
+        if big > 0:
+            high = (target - fixed) / scale + big
+            rows.append(({p0 + i: 1.0, s0 + i + o.span: 1.0, c: big}, -math.inf, high))
+    return rows
 
 
 def _chain_dp(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,15 @@ class Workload:
     """Whether each block's output is the next block's input, with nothing in between (what
     ``checkpoint_sequential`` over the blocks needs)."""
     autocast: torch.dtype | None = None
+
+    def with_autocast(self, dtype: torch.dtype) -> Workload:
+        """This workload with its forward and loss under ``torch.autocast`` in ``dtype``."""
+        name = str(dtype).removeprefix("torch.")
+        return dataclasses.replace(
+            self,
+            autocast=dtype,
+            description=f"{self.description}; forward and loss under autocast ({name})",
+        )
 
     def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         """The context the training loop runs forward and loss in on ``device``:
