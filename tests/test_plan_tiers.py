@@ -169,6 +169,40 @@ def test_a_graph_option_offloads_exactly_the_ops_its_plan_names(disk: DiskTier) 
     assert _files(disk) == []
 
 
+def test_under_autocast_an_option_s_cached_bytes_are_its_casts_alone(disk: DiskTier) -> None:
+    """Under a loop's autocast, what an option leaves in autocast's cache (``cached``) is the
+    casts of the block's weights, whatever the option does with its input: a region that
+    writes its input to disk frees it as the next block starts, which counts in ``kept``. Were
+    it counted in ``cached`` too, every disk plan would be predicted an input per block above
+    its peak at the forward's end, and the disk tier would reach no lower than recompute."""
+    model = _build()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        profiled = profile_model(model, X, _loss, tiers=["recompute", "disk"], repeats=0)
+    linear = model.blocks[1].linear
+    casts = (linear.weight.numel() + linear.bias.numel()) * torch.bfloat16.itemsize
+    # The second block: the first one's input needs no gradient, so its matmul keeps no weight.
+    second = profiled.types[profiled.paths.index("blocks.1")]
+    options = {o.name: o for o in profiled.options[second] if o.span == 1}
+    plain = options["plain"]
+    # The matmul keeps the cast weight, not the bias: only the bias's cast is the cache's.
+    assert plain.cached == linear.bias.numel() * torch.bfloat16.itemsize
+    # The region, and the block with all it saves on disk (the cast weight too: the cache
+    # holds it still).
+    region, on_disk = options["region"], options["offload-disk"]
+    assert on_disk.tier == "disk"
+    assert region.cached == casts and on_disk.cached == casts, (region, on_disk)
+    # On disk, the block frees the input the region keeps, and holds nothing else.
+    assert on_disk.kept <= region.kept - X.numel() * X.element_size() + 1024
+    # So the disk tier plans below what recompute alone reaches, and the plan fits in the loop.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        alone = profile_model(model, X, _loss, repeats=0)
+    lower = _smallest(profiled.costs, profiled.chain)
+    assert lower < _smallest(alone.costs, alone.chain)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = solve_measured(profiled, lower, model, X, _loss)
+    assert plan.measured["solves"] == 1 and plan.measured["verified_peak"] <= lower
+
+
 def test_disk_alone_never_recomputes(disk: DiskTier) -> None:
     """``tiers=["disk"]``: the plan offloads or keeps, and backward runs no forward op again."""
     model = _build()
