@@ -394,6 +394,11 @@ def test_a_plan_the_raised_dp_misses_under_autocast_is_found() -> None:
         _raised_dp(costs, blocks, 1600, 1024, 64),
         False,
     )
+    # Where the fastest assignment of all fits (every block plain: 900 + 1250 at the last
+    # block's backward), it is proven the fastest with no MILP to run.
+    assert chain_peak(costs, [plain] * 3) == 2150
+    assert chain_solve(costs, blocks, 2150, time_limit=0.0) == ([0, 0, 0], True)
+    assert chain_solve(costs, blocks, 2149, time_limit=0.0).optimal is False
 
 
 def test_casts_cached_to_the_forward_end_count_there_and_not_in_backward() -> None:

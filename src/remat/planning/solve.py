@@ -323,6 +323,17 @@ def chain_peak(costs: ChainCosts, options: Sequence[ChainOption]) -> int:
     return max(peak, costs.head + prefix, costs.end(cached) + prefix)
 
 
+def _fastest(blocks: Sequence[Sequence[ChainOption]]) -> float:
+    """The time of the fastest assignment, whatever its peak (segments included)."""
+    n = len(blocks)
+    to = [0.0] + [math.inf] * n  # the least time to cover the blocks before each boundary
+    for i, opts in enumerate(blocks):
+        for o in opts:
+            if i + o.span <= n:
+                to[i + o.span] = min(to[i + o.span], to[i] + o.seconds)
+    return to[n]
+
+
 def _singles(blocks: Sequence[Sequence[ChainOption]]) -> list[list[int]]:
     """Per block, the indices of its options that cover it alone."""
     return [[k for k, o in enumerate(opts) if o.span == 1] for opts in blocks]
@@ -384,11 +395,14 @@ def chain_solve(
     #    0.01-0.4 s a budget; on chains of many identical blocks it can take far longer (30 s
     #    for some budgets at 24 blocks: its binaries have many equivalent orders), so it stops
     #    at ``time_limit``, and the faster of the two answers is returned, marked not proven
-    #    optimal.
+    #    optimal. Where step 1's answer is as fast as the fastest assignment of all, whatever
+    #    its peak (every block plain, at a large budget), it is optimal and step 2 never runs.
     if not any(o.cached for opts in blocks for o in opts):
         return ChainAnswer(_chain_dp(costs, blocks, budget, grid, rgrid), True)
     raised = _raised_dp(costs, blocks, budget, grid, rgrid)
     bound = None if raised is None else sum(o.seconds for o in chosen(blocks, raised))
+    if bound is not None and bound <= _fastest(blocks):
+        return ChainAnswer(raised, True)  # as fast as any assignment, fitting or not
     found = _chain_milp(costs, blocks, budget, bound, time_limit)
     if found.picks is None:  # nothing faster than the bound fits
         return ChainAnswer(raised, found.optimal)
@@ -410,6 +424,7 @@ def _raised_dp(
     raises = {most * k // RAISES for k in range(RAISES + 1)}
     tried: set[int] = set()
     best: tuple[float, list[int]] | None = None
+    fastest = _fastest(blocks)
     while raises - tried:
         raised = min(raises - tried)
         tried.add(raised)
@@ -422,6 +437,8 @@ def _raised_dp(
             seconds = sum(o.seconds for o in options)
             if best is None or seconds < best[0]:
                 best = (seconds, picks)
+            if seconds <= fastest:  # no raise can find a faster one
+                break
         else:
             raises.add(sum(o.cached for o in options))
     return None if best is None else best[1]
