@@ -341,3 +341,17 @@ def test_solve_time_measurement_runs_and_reports() -> None:
     assert 0 < result["profile_seconds"] < result["seconds"]
     text = solve_time.report(result)
     assert "remat.plan on a 4-layer GPT" in text and "solve" in text
+    assert result["autocast"] is None and "chain: exact DP over the chain of blocks" in text
+
+
+def test_solve_time_under_autocast_plans_the_mixed_precision_loop() -> None:
+    from remat.bench import solve_time
+
+    result = solve_time.measure(layers=4, budget="60%", autocast=torch.bfloat16)
+    assert result["autocast"] == "bfloat16"
+    assert result["verified_peak_bytes"] == result["predicted_peak_bytes"]
+    assert result["verified_peak_bytes"] <= 0.6 * result["plain_peak_bytes"]
+    # The casts autocast's cache holds to the forward's end are in the chain: its MILP ran.
+    assert "HiGHS MILP" in result["chain_solver"]
+    text = solve_time.report(result)
+    assert "at 60%, under torch.autocast (bfloat16):" in text

@@ -212,7 +212,8 @@ BAD: list[tuple[list[str], str]] = [
     (["--strategies", "none,remat-block", "--budgets", "torch"], "the run has no torch strategy"),
     (["--strategies", "remat-auto@torch-block"], "torch-block is not in the run; add it"),
     (["--strategies", "torch-block,remat-auto@torch-blok"], "unknown strategy 'torch-blok'"),
-    (["--offload", "--autocast", "bf16"], "--autocast runs the strategy table under autocast"),
+    (["--offload", "--autocast", "bf16"], "--pipeline and --offload measure in float32"),
+    (["--pipeline", "--autocast", "fp16"], "--pipeline and --offload measure in float32"),
 ]
 
 

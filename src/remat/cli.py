@@ -108,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
         "--solve-time",
         action="store_true",
         help="the planner's time instead: one remat.plan call at 25%% on a 48-layer GPT of the "
-        "medium family (one block type), with its profile and solve seconds",
+        "medium family (one block type), with its profile and solve seconds; with --autocast, "
+        "planned for a loop under it",
     )
     bench.add_argument(
         "--pipeline",
@@ -144,10 +145,10 @@ def _bench(args: argparse.Namespace) -> int:
             "remat bench: --processes pools the step times of the strategy table; --pipeline "
             "and --offload measure in one process each. Drop --processes."
         )
-    if args.autocast and (args.pipeline or args.offload or args.solve_time):
+    if args.autocast and (args.pipeline or args.offload):
         raise RematError(
-            "remat bench: --autocast runs the strategy table under autocast; --pipeline, "
-            "--offload and --solve-time measure in float32. Drop --autocast."
+            "remat bench: --autocast runs the strategy table and --solve-time under autocast; "
+            "--pipeline and --offload measure in float32. Drop --autocast."
         )
     if args.pipeline:
         return _pipeline(args)
@@ -611,9 +612,13 @@ def _solve_time(args: argparse.Namespace) -> int:
             "remat bench --solve-time: plans a 48-layer gpt at 25% and takes no workload, "
             "strategies or budgets; drop --workload/--hf/--strategies/--budgets."
         )
-    json_path = args.json or Path("bench-out") / "solve-time-gpt.json"
+    suffix = f"-{args.autocast}" if args.autocast else ""
+    json_path = args.json or Path("bench-out") / f"solve-time-gpt{suffix}.json"
     report.check_writable(json_path)
-    result = solve_time.measure(seed=args.seed)
+    import torch
+
+    dtype = getattr(torch, _AUTOCAST[args.autocast]) if args.autocast else None
+    result = solve_time.measure(seed=args.seed, autocast=dtype)
     print(solve_time.report(result))
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1))

@@ -9,6 +9,7 @@ solvers took and what one measured step of it peaked at.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -19,8 +20,12 @@ __all__: list[str] = []
 LAYERS = 48
 
 
-def measure(layers: int = LAYERS, budget: str = "25%", seed: int = 0) -> dict[str, Any]:
-    """Plan a ``layers``-layer GPT of the medium family at ``budget``; the figures."""
+def measure(
+    layers: int = LAYERS, budget: str = "25%", seed: int = 0, autocast: torch.dtype | None = None
+) -> dict[str, Any]:
+    """Plan a ``layers``-layer GPT of the medium family at ``budget``; the figures. With
+    ``autocast``, the plan is made inside ``torch.autocast("cpu", dtype=autocast)``: for a loop
+    that runs each forward and loss in that context."""
     from ..planning.planner import plan
     from ..workloads.gpt import GPT, GPTConfig, _gpt_batch, _lm_loss
 
@@ -36,8 +41,12 @@ def measure(layers: int = LAYERS, budget: str = "25%", seed: int = 0) -> dict[st
     def loss_fn(out: Any) -> torch.Tensor:
         return _lm_loss(out, target)
 
+    context = (
+        torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    )
     start = time.perf_counter()
-    planned = plan(model, inputs, budget, loss_fn)
+    with context:
+        planned = plan(model, inputs, budget, loss_fn)
     total = time.perf_counter() - start
     options = {o.name for b in planned.blocks for o in [planned.option(b)]}
     return {
@@ -51,6 +60,8 @@ def measure(layers: int = LAYERS, budget: str = "25%", seed: int = 0) -> dict[st
         "verified_peak_bytes": int(planned.measured["verified_peak"]),
         "predicted_time_ratio": planned.predicted_seconds / max(planned.plain_seconds, 1e-12),
         "options_used": sorted(options),
+        "autocast": None if autocast is None else str(autocast).removeprefix("torch."),
+        "chain_solver": str(planned.solver["chain"]),
     }
 
 
@@ -60,7 +71,9 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"remat.plan on a {result['layers']}-layer GPT (medium family, one block type) at "
-            f"{result['budget']}:",
+            f"{result['budget']}"
+            + (f", under torch.autocast ({result['autocast']})" if result.get("autocast") else "")
+            + ":",
             f"  whole call {result['seconds']:.1f} s: profile {result['profile_seconds']:.1f} s, "
             f"solve {result['solve_seconds']:.2f} s (block MILPs and the chain DP), the rest "
             "the measured check",
@@ -69,5 +82,6 @@ def report(result: dict[str, Any]) -> str:
             f"{result['predicted_time_ratio']:.2f}x, measured "
             f"{result['verified_peak_bytes'] / mib:,.1f} MiB in one step of the plan",
             f"  options used: {', '.join(result['options_used'])}",
+            f"  chain: {result['chain_solver']}",
         ]
     )
