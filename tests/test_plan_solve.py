@@ -13,6 +13,7 @@ from remat.planning.solve import (
     REPLAY_OVERHEAD,
     ChainCosts,
     ChainOption,
+    _fastest,
     _raised_dp,
     brute_force_block,
     chain_brute_force,
@@ -383,7 +384,7 @@ def test_a_plan_the_raised_dp_misses_under_autocast_is_found() -> None:
     # 600 (20 + 930 + 600 = 1550 at the forward's end), and every raise that rules it out
     # rules out every plan.
     assert chain_peak(costs, [b, b, b]) == 1550
-    assert _raised_dp(costs, blocks, 1500, 1024, 64) is None
+    assert _raised_dp(costs, blocks, 1500, 1024, 64, _fastest(blocks)[0]) is None
     picks, optimal = chain_solve(costs, blocks, 1500)
     assert picks is not None and optimal
     assert sum(o.seconds for o in chosen(blocks, picks)) == 4.5
@@ -391,7 +392,7 @@ def test_a_plan_the_raised_dp_misses_under_autocast_is_found() -> None:
     # Out of time before the MILP runs, the answer is the DP's, and it says it is not proven.
     assert chain_solve(costs, blocks, 1500, time_limit=0.0) == (None, False)
     assert chain_solve(costs, blocks, 1600, time_limit=0.0) == (
-        _raised_dp(costs, blocks, 1600, 1024, 64),
+        _raised_dp(costs, blocks, 1600, 1024, 64, _fastest(blocks)[0]),
         False,
     )
     # Where the fastest assignment of all fits (every block plain: 900 + 1250 at the last

@@ -196,11 +196,16 @@ def test_under_autocast_an_option_s_cached_bytes_are_its_casts_alone(disk: DiskT
     # So the disk tier plans below what recompute alone reaches, and the plan fits in the loop.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         alone = profile_model(model, X, _loss, repeats=0)
-    lower = _smallest(profiled.costs, profiled.chain)
-    assert lower < _smallest(alone.costs, alone.chain)
+    lower, floor = _smallest(profiled.costs, profiled.chain), _smallest(alone.costs, alone.chain)
+    assert lower < floor
+    # Between the two: at ``lower`` itself, when the disk's writes and reads land moves the
+    # measured peak by up to a few tens of KiB from step to step (see the planner's limits),
+    # which the measured check answers by solving again.
+    budget = (lower + floor) // 2
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plan = solve_measured(profiled, lower, model, X, _loss)
-    assert plan.measured["solves"] == 1 and plan.measured["verified_peak"] <= lower
+        plan = solve_measured(profiled, budget, model, X, _loss)
+    assert any(plan.option(b).tier == "disk" for b in plan.blocks), plan.summary()
+    assert plan.measured["verified_peak"] <= budget
 
 
 def test_disk_alone_never_recomputes(disk: DiskTier) -> None:

@@ -7,9 +7,12 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import RematError, did_you_mean
+
+if TYPE_CHECKING:
+    import torch
 
 __all__: list[str] = []
 
@@ -169,10 +172,9 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         workload = get_workload(args.workload, args.size)
         name = f"{args.workload}-{args.size}"
-    if args.autocast:
-        import torch
-
-        workload = workload.with_autocast(getattr(torch, _AUTOCAST[args.autocast]))
+    dtype = _autocast_dtype(args)
+    if dtype is not None:
+        workload = workload.with_autocast(dtype)
         name += f"-{args.autocast}"
     if args.strategies:
         strategies = args.strategies.split(",")
@@ -604,6 +606,13 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
+def _autocast_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    """The dtype ``--autocast`` names; None without it."""
+    import torch
+
+    return getattr(torch, _AUTOCAST[args.autocast]) if args.autocast else None
+
+
 def _solve_time(args: argparse.Namespace) -> int:
     from .bench import report, solve_time
 
@@ -615,10 +624,7 @@ def _solve_time(args: argparse.Namespace) -> int:
     suffix = f"-{args.autocast}" if args.autocast else ""
     json_path = args.json or Path("bench-out") / f"solve-time-gpt{suffix}.json"
     report.check_writable(json_path)
-    import torch
-
-    dtype = getattr(torch, _AUTOCAST[args.autocast]) if args.autocast else None
-    result = solve_time.measure(seed=args.seed, autocast=dtype)
+    result = solve_time.measure(seed=args.seed, autocast=_autocast_dtype(args))
     print(solve_time.report(result))
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1))

@@ -253,14 +253,15 @@ class UnlikeProfiled:
     def __call__(self, block: nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return  # (a compiled step's shapes may be symbolic: it is not checked)
-        got = input_bytes((args, kwargs))
-        if self.measured and got > self.measured and "inputs" not in self.warned:
-            self.warned.add("inputs")
-            self._warn(
-                f"got inputs of {fmt_bytes(got)} where the plan was measured with "
-                f"{fmt_bytes(self.measured)}; activation memory grows with them",
-                "Plan with the largest batch you train on.",
-            )
+        if self.measured and "inputs" not in self.warned:
+            got = input_bytes((args, kwargs))
+            if got > self.measured:
+                self.warned.add("inputs")
+                self._warn(
+                    f"got inputs of {fmt_bytes(got)} where the plan was measured with "
+                    f"{fmt_bytes(self.measured)}; activation memory grows with them",
+                    "Plan with the largest batch you train on.",
+                )
         if "autocast" in self.warned:
             return
         param = next(block.parameters(), None)

@@ -323,15 +323,22 @@ def chain_peak(costs: ChainCosts, options: Sequence[ChainOption]) -> int:
     return max(peak, costs.head + prefix, costs.end(cached) + prefix)
 
 
-def _fastest(blocks: Sequence[Sequence[ChainOption]]) -> float:
-    """The time of the fastest assignment, whatever its peak (segments included)."""
+def _fastest(blocks: Sequence[Sequence[ChainOption]]) -> tuple[float, list[int]]:
+    """The fastest assignment whatever its peak (segments included), and its time."""
     n = len(blocks)
     to = [0.0] + [math.inf] * n  # the least time to cover the blocks before each boundary
+    last: list[tuple[int, int]] = [(-1, -1)] * (n + 1)  # (start, option) of that cover's last
     for i, opts in enumerate(blocks):
-        for o in opts:
-            if i + o.span <= n:
-                to[i + o.span] = min(to[i + o.span], to[i] + o.seconds)
-    return to[n]
+        for k, o in enumerate(opts):
+            t = i + o.span
+            if t <= n and to[i] + o.seconds < to[t]:
+                to[t], last[t] = to[i] + o.seconds, (i, k)
+    picks = [-1] * n
+    t = n
+    while t > 0:
+        i, k = last[t]
+        picks[i], t = k, i
+    return to[n], picks
 
 
 def _singles(blocks: Sequence[Sequence[ChainOption]]) -> list[list[int]]:
@@ -399,9 +406,10 @@ def chain_solve(
     #    its peak (every block plain, at a large budget), it is optimal and step 2 never runs.
     if not any(o.cached for opts in blocks for o in opts):
         return ChainAnswer(_chain_dp(costs, blocks, budget, grid, rgrid), True)
-    raised = _raised_dp(costs, blocks, budget, grid, rgrid)
+    fastest, _ = _fastest(blocks)
+    raised = _raised_dp(costs, blocks, budget, grid, rgrid, fastest)
     bound = None if raised is None else sum(o.seconds for o in chosen(blocks, raised))
-    if bound is not None and bound <= _fastest(blocks):
+    if bound is not None and bound <= fastest:
         return ChainAnswer(raised, True)  # as fast as any assignment, fitting or not
     found = _chain_milp(costs, blocks, budget, bound, time_limit)
     if found.picks is None:  # nothing faster than the bound fits
@@ -417,14 +425,15 @@ def _raised_dp(
     budget: int,
     grid: int,
     rgrid: int,
+    fastest: float,
 ) -> list[int] | None:
-    """Step 1 of [ Casts cached to the forward's end ]: the DP on raised heads."""
+    """Step 1 of [ Casts cached to the forward's end ]: the DP on raised heads; it stops at an
+    answer that takes ``fastest`` seconds, the least any assignment takes."""
     bare = [[dataclasses.replace(o, cached=0) for o in opts] for opts in blocks]
     most = sum(max(o.cached for o in opts) for opts in blocks)
     raises = {most * k // RAISES for k in range(RAISES + 1)}
     tried: set[int] = set()
     best: tuple[float, list[int]] | None = None
-    fastest = _fastest(blocks)
     while raises - tried:
         raised = min(raises - tried)
         tried.add(raised)
@@ -557,10 +566,7 @@ def _chain_dp(
     """:func:`chain_dp` for options that cache nothing."""
     if not blocks:
         return [] if max(costs.head, costs.tail) <= budget else None
-    fastest = [
-        min(ks, key=lambda k: opts[k].seconds)
-        for opts, ks in zip(blocks, _singles(blocks), strict=True)
-    ]
+    _, fastest = _fastest(blocks)
     if chain_peak(costs, chosen(blocks, fastest)) <= budget:
         return fastest  # nothing to trade: the grid's rounding must not cost time here
     # Rounding down can admit an answer the exact model puts over the budget: refine the grid
