@@ -143,6 +143,60 @@ def test_json_and_plot_are_written(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "out.png"]
 
 
+def _boxes(
+    centres: list[tuple[float, float]],
+    sizes: list[tuple[float, float]],
+    places: list[tuple[float, float, str, str, bool]],
+) -> list[tuple[float, float, float, float]]:
+    boxes = []
+    for (cx, cy), (w, h), (dx, dy, ha, va, _) in zip(centres, sizes, places, strict=True):
+        x, y = cx + dx, cy + dy  # scale 1: points are pixels
+        x0 = x if ha == "left" else x - w if ha == "right" else x - w / 2
+        y0 = y if va == "bottom" else y - h if va == "top" else y - h / 2
+        boxes.append((x0, y0, x0 + w, y0 + h))
+    return boxes
+
+
+def test_plot_labels_of_a_crowded_cluster_overlap_nothing() -> None:
+    # Eight points within 10 pixels of each other, like the torch and remat points that
+    # share a peak: each label is placed clear of every marker, the legend and each other.
+    centres = [(300.0 + 3 * i, 200.0 + (i % 3) * 4) for i in range(8)]
+    markers = [(x - 6, y - 6, x + 6, y + 6) for x, y in centres]
+    legend = (320.0, 215.0, 420.0, 260.0)
+    sizes = [(60.0 + 5 * i, 10.0) for i in range(8)]
+    places = report._label_positions(
+        centres, sizes, [(6.0, 10.0)] * 8, [*markers, legend], (0, 0, 640, 480), 1.0
+    )
+    assert not any(numbered for *_, numbered in places)
+    boxes = _boxes(centres, sizes, places)
+    for i, box in enumerate(boxes):
+        assert report._inside(box, (0, 0, 640, 480))
+        assert not any(report._overlap(box, other) for other in [*markers, legend])
+        assert not any(report._overlap(box, other) for other in boxes[i + 1 :])
+
+
+def test_plot_labels_fall_back_to_numbers_where_names_do_not_fit() -> None:
+    # A frame too small for the long names: numbers, still clear of each other.
+    centres = [(50.0, 50.0), (54.0, 50.0), (58.0, 50.0)]
+    sizes = [(500.0, 10.0)] * 3
+    places = report._label_positions(centres, sizes, [(6.0, 10.0)] * 3, [], (0, 0, 120, 100), 1.0)
+    assert [numbered for *_, numbered in places] == [True, True, True]
+    boxes = _boxes(centres, [(6.0, 10.0)] * 3, places)
+    assert not any(report._overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+
+
+def test_plot_with_every_kind_of_point_is_written(tmp_path: Path) -> None:
+    rows = [
+        *_result().rows,
+        report.Row("remat-auto@50%", "p", 50 * 2**20, 0.5, 1.1, 1.1, True),
+        report.Row("remat-auto@torch-block", "p", 20 * 2**20, 0.2, 1.3, 1.3, True),
+        report.Row("remat-auto-disk@10%", "p", 10 * 2**20, 0.1, 1.6, 1.6, True),
+    ]
+    result = report.Result("gpt-small", "a GPT", "cpu", 3, 0, 3, rows, {})
+    report.write_plot(result, tmp_path / "out.png")
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_markdown_table() -> None:
     text = report.markdown(_result())
     assert "| remat-block | 20.0 | 0.20 | 1.400 | 1.40 | 1.010 (torch-block) | yes |" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
@@ -252,7 +253,9 @@ def write_json(result: Result, path: Path) -> None:
 
 
 def write_plot(result: Result, path: Path) -> None:
-    """Activation memory against step time, one labelled point per strategy, Pareto front."""
+    """Activation memory against step time: one point per strategy, the planner's points
+    joined by budget, the Pareto front; every label placed where it overlaps no other label,
+    point or the legend (:func:`_label_positions`)."""
     import io
 
     import matplotlib
@@ -261,12 +264,11 @@ def write_plot(result: Result, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
-    xs = [r.step_seconds for r in result.rows]
-    ys = [r.peak_bytes / MIB for r in result.rows]
-    colors = ["tab:green" if r.strategy.startswith("remat") else "tab:blue" for r in result.rows]
-    ax.scatter(xs, ys, c=colors, s=40, zorder=3)
-    for r, x, y, offset in zip(result.rows, xs, ys, _label_offsets(xs, ys), strict=True):
-        ax.annotate(r.strategy, (x, y), textcoords="offset points", xytext=offset, fontsize=8)
+    rows = result.rows
+    xs = [r.step_seconds for r in rows]
+    ys = [r.peak_bytes / MIB for r in rows]
+    kind = [_kind(r.strategy) for r in rows]
+    lines: list[list[tuple[float, float]]] = []  # drawn lines the labels keep off
     front = _pareto(list(zip(xs, ys, strict=True)))
     ax.step(
         [p[0] for p in front],
@@ -277,52 +279,230 @@ def write_plot(result: Result, path: Path) -> None:
         zorder=2,
         label="Pareto front",
     )
-    for prefix, color, label in (
-        ("remat-auto@", "tab:orange", "remat.plan at each budget"),
-        ("remat-auto-disk@", "tab:purple", "remat.plan with the disk tier"),
+    for k, color, label in (
+        ("baseline", "tab:blue", "torch and no checkpointing"),
+        ("remat", "tab:green", "remat strategies by hand"),
     ):
-        auto = sorted(  # in order of memory: the front as the budget shrinks
-            (r.peak_bytes / MIB, r.step_seconds)
-            for r in result.rows
-            if r.strategy.startswith(prefix)
-        )
-        if auto:
+        picked = [i for i in range(len(rows)) if kind[i] == k]
+        if picked:
+            ax.scatter(
+                [xs[i] for i in picked],
+                [ys[i] for i in picked],
+                c=color,
+                s=40,
+                zorder=3,
+                label=label,
+            )
+    for k, color, label in (
+        ("auto", "tab:orange", "remat.plan at each budget"),
+        ("auto-disk", "tab:purple", "remat.plan with the disk tier"),
+    ):
+        # In order of memory: the front as the budget shrinks.
+        line = sorted((ys[i], xs[i]) for i in range(len(rows)) if kind[i] == k)
+        if line:
+            lines.append([(x, y) for y, x in line])
             ax.plot(
-                [p[1] for p in auto],
-                [p[0] for p in auto],
+                [p[1] for p in line],
+                [p[0] for p in line],
                 color=color,
                 marker="o",
                 zorder=4,
                 label=label,
             )
+    matched = [i for i in range(len(rows)) if kind[i] == "matched"]
+    if matched:
+        # Each ring sits on (or near) its torch strategy's point: the plan at that peak.
+        ax.scatter(
+            [xs[i] for i in matched],
+            [ys[i] for i in matched],
+            s=130,
+            facecolors="none",
+            edgecolors="tab:orange",
+            linewidths=1.5,
+            zorder=5,
+            label="remat.plan at each torch point's peak",
+        )
+        at = {r.strategy: (xs[i], ys[i]) for i, r in enumerate(rows)}
+        for i in matched:
+            start = at.get(rows[i].strategy[len("remat-auto@") :])
+            if start is not None:  # from the torch point to the plan at its peak
+                lines.append([start, (xs[i], ys[i])])
+                ax.annotate(
+                    "",
+                    (xs[i], ys[i]),
+                    start,
+                    arrowprops={
+                        "arrowstyle": "->",
+                        "color": "tab:orange",
+                        "lw": 1.0,
+                        "shrinkA": 4,
+                        "shrinkB": 7,
+                    },
+                    zorder=5,
+                )
     ax.set_xlabel("step time (s, median)")
     ax.set_ylabel("peak activation memory (MiB)")
     ax.set_title(f"remat bench: {result.workload} ({result.device})", fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.scatter([], [], c="tab:green", label="remat")
-    ax.scatter([], [], c="tab:blue", label="baselines")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.margins(x=0.08, y=0.08)
     ax.set_ylim(bottom=0)
-    fig.tight_layout()
+    legend = ax.legend(loc="upper right", fontsize=8)
+    # Labels: the baselines first, then the planner's budgets, then the rest; the rings go
+    # unlabelled (the table names them).
+    order = sorted(
+        (i for i in range(len(rows)) if kind[i] != "matched"),
+        key=lambda i: ("baseline", "auto", "auto-disk", "remat").index(kind[i]),
+    )
+    key: list[str] = []
+    for reserve in (0.0, 0.05):
+        fig.tight_layout(rect=(0, reserve, 1, 1))
+        points = [(xs[i], ys[i], rows[i].strategy) for i in order]
+        key = _annotate(fig, ax, legend, points, lines)
+        if not key:
+            break
+        for text in ax.texts[-len(order) :]:
+            text.remove()  # placed again in the smaller axes
+    if key:
+        fig.text(0.01, 0.01, "  ".join(key), fontsize=7, va="bottom", wrap=True)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     plt.close(fig)
     _atomic_write(path, buffer.getvalue())
 
 
-def _label_offsets(xs: list[float], ys: list[float]) -> list[tuple[int, int]]:
-    """Label offsets in points that keep labels of nearby points apart: points closer than
-    12% (time) and 4% (memory) of the axes' spans take turns above and below."""
-    span_x = (max(xs) - min(xs)) or 1.0
-    span_y = (max(ys) - min(ys)) or 1.0
-    cycle = [(6, 4), (6, -12), (6, 16), (6, -24), (6, 28)]
-    offsets: list[tuple[int, int]] = []
-    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
-        near = sum(
-            1 for j in range(i) if abs(xs[j] - x) < 0.12 * span_x and abs(ys[j] - y) < 0.04 * span_y
+def _kind(strategy: str) -> str:
+    if strategy.startswith("remat-auto@torch-"):
+        return "matched"
+    if strategy.startswith("remat-auto@"):
+        return "auto"
+    if strategy.startswith("remat-auto-disk@"):
+        return "auto-disk"
+    return "remat" if strategy.startswith("remat") else "baseline"
+
+
+def _annotate(
+    fig: Any,
+    ax: Any,
+    legend: Any,
+    points: list[tuple[float, float, str]],
+    lines: list[list[tuple[float, float]]],
+) -> list[str]:
+    """Label each point of ``points`` (data coordinates, name) at a free place, off the
+    ``lines`` too; a point whose name fits nowhere gets a number, and the returned key says
+    which name each number is."""
+    renderer = fig.canvas.get_renderer()
+    scale = fig.dpi / 72  # points to pixels
+    centres = [tuple(ax.transData.transform((x, y))) for x, y, _ in points]
+    radius = 6 * scale  # half a marker (s=40) and a little space, in pixels
+    obstacles = [(cx - radius, cy - radius, cx + radius, cy + radius) for cx, cy in centres]
+    box = legend.get_window_extent(renderer)
+    obstacles.append((box.x0, box.y0, box.x1, box.y1))
+    for line in lines:  # small boxes every few pixels along each segment
+        ends = [tuple(ax.transData.transform(p)) for p in line]
+        for (x0, y0), (x1, y1) in itertools.pairwise(ends):
+            steps = max(1, int(max(abs(x1 - x0), abs(y1 - y0)) / 4))
+            for k in range(steps + 1):
+                x, y = x0 + (x1 - x0) * k / steps, y0 + (y1 - y0) * k / steps
+                obstacles.append((x - 1.5, y - 1.5, x + 1.5, y + 1.5))
+    frame = ax.get_window_extent(renderer)
+    names = [name for _, _, name in points]
+    numbers = [str(n + 1) for n in range(len(points))]
+
+    def size(text: str) -> tuple[float, float]:
+        probe = ax.text(0, 0, text, fontsize=8)
+        extent = probe.get_window_extent(renderer)
+        probe.remove()
+        return extent.width, extent.height
+
+    places = _label_positions(
+        centres,
+        [size(n) for n in names],
+        [size(n) for n in numbers],
+        obstacles,
+        (frame.x0, frame.y0, frame.x1, frame.y1),
+        scale,
+    )
+    key = []
+    for (x, y, name), number, place in zip(points, numbers, places, strict=True):
+        dx, dy, ha, va, numbered = place
+        far = dx * dx + dy * dy > 10**2  # beyond the first ring: a leader line
+        ax.annotate(
+            number if numbered else name,
+            (x, y),
+            textcoords="offset points",
+            xytext=(dx, dy),
+            fontsize=8,
+            ha=ha,
+            va=va,
+            arrowprops={"arrowstyle": "-", "color": "0.4", "lw": 0.7, "shrinkA": 0, "shrinkB": 4}
+            if far
+            else None,
+            # Readable where a line of the plot runs under it.
+            bbox={
+                "boxstyle": "square,pad=0.1",
+                "facecolor": "white",
+                "edgecolor": "none",
+                "alpha": 0.8,
+            },
+            zorder=6,
         )
-        offsets.append(cycle[near % len(cycle)])
-    return offsets
+        if numbered:
+            key.append(f"{number}: {name}")
+    return key
+
+
+Box = tuple[float, float, float, float]  # x0, y0, x1, y1 in pixels
+
+
+def _label_positions(
+    centres: list[tuple[float, float]],
+    sizes: list[tuple[float, float]],
+    number_sizes: list[tuple[float, float]],
+    obstacles: list[Box],
+    frame: Box,
+    scale: float,
+) -> list[tuple[float, float, str, str, bool]]:
+    """Where each point's label goes, greedily in the order given: the nearest offset (points)
+    around the point whose text box stays inside ``frame`` and overlaps no obstacle and no
+    label placed before it, the name first, else its number (the ``bool``). Returns the offset,
+    the text's alignment and whether it is numbered. A label that fits nowhere sits to the
+    right of its point, overlapping."""
+    import math
+
+    angles = (0, 30, -30, 180, 150, -150, 90, -90, 60, -60, 120, -120)
+    rings = (6, 14, 24, 36, 50, 66, 84)
+    candidates = [(r, a) for r in rings for a in angles]
+    taken = list(obstacles)
+    places: list[tuple[float, float, str, str, bool]] = []
+    for (cx, cy), name_size, number_size in zip(centres, sizes, number_sizes, strict=True):
+        place: tuple[float, float, str, str, bool] | None = None
+        for numbered, (w, h) in ((False, name_size), (True, number_size)):
+            for r, a in candidates:
+                cos, sin = math.cos(math.radians(a)), math.sin(math.radians(a))
+                dx, dy = r * cos, r * sin
+                ha = "left" if cos > 0.3 else "right" if cos < -0.3 else "center"
+                va = "bottom" if sin > 0.3 else "top" if sin < -0.3 else "center"
+                x = cx + dx * scale
+                y = cy + dy * scale
+                x0 = x if ha == "left" else x - w if ha == "right" else x - w / 2
+                y0 = y if va == "bottom" else y - h if va == "top" else y - h / 2
+                text = (x0, y0, x0 + w, y0 + h)
+                if _inside(text, frame) and not any(_overlap(text, t) for t in taken):
+                    place = (dx, dy, ha, va, numbered)
+                    taken.append(text)
+                    break
+            if place is not None:
+                break
+        places.append(place or (6.0, 0.0, "left", "center", False))
+    return places
+
+
+def _inside(box: Box, frame: Box) -> bool:
+    return box[0] >= frame[0] and box[1] >= frame[1] and box[2] <= frame[2] and box[3] <= frame[3]
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
 
 
 def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
