@@ -330,3 +330,56 @@ def test_a_policy_sees_each_ops_module_under_compile_as_in_eager() -> None:
     assert nbytes < plain_bytes  # every op recomputed as planned, none kept for lack of a key
     expected = grads(plain, plain_x, plain(plain_x).sum())
     assert all(torch.equal(a, b) for a, b in zip(grads(model, x, loss), expected, strict=True))
+
+
+class DropoutBlock(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 16)
+        self.drop = nn.Dropout(p)
+        self.l2 = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.drop(torch.relu(self.l1(x))))
+
+
+def _planned_per_op(p: float, x: torch.Tensor) -> tuple[nn.Module, nn.Module, list[Any]]:
+    """Two dropout blocks, each on the graph engine with a plan that recomputes every op
+    the eager forward runs (keyed as a plan keys them); a plain copy; the blocks' policies."""
+    from remat.planning.apply import apply_option
+    from remat.planning.profile import profile_block
+
+    torch.manual_seed(0)
+    model = nn.Sequential(DropoutBlock(p), DropoutBlock(p))
+    plain = copy.deepcopy(model)
+    profile = profile_block(model[0], ((x.clone().requires_grad_(),), {}), "block", repeats=1)
+    decisions = {op.key: "recompute" for op in profile.ops}
+    policies = [apply_option(b, str(i), "graph", decisions) for i, b in enumerate(model)]
+    return model, plain, policies
+
+
+def test_a_per_op_plan_with_dropout_compiles_exact_and_says_what_it_could_not_follow() -> None:
+    """Dynamo traces dropout otherwise than eager runs it on the CPU (``native_dropout``, or
+    a ``clone`` at p=0, for eager's ``bernoulli_``, ``div_`` and ``mul``): a block planned per
+    op in eager meets keys it does not know under compile. The block's forward hook, which
+    warns about such keys, once ran inside Dynamo's trace, and the compile of a second planned
+    model failed (``SpeculationLogDivergence`` at the hook). Now the hooks do nothing while
+    Dynamo traces, each compiled step equals the compiled plain model's bit for bit, and each
+    block warns once, naming compile."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    every: list[Any] = []
+    with pytest.warns(UserWarning, match="as torch.compile traced it") as caught:
+        for p in (0.0, 0.5):
+            model, plain, policies = _planned_per_op(p, x)
+            eager_keys = next(q.decisions for q in policies if q is not None)
+            assert not any("native_dropout" in k for k in eager_keys)
+            results = []
+            for m in (model, plain):
+                torch.manual_seed(0)
+                loss = torch.compile(m, backend="aot_eager")(x).square().sum()
+                loss.backward()
+                results.append([loss.detach(), *(q.grad for q in m.parameters())])
+            assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), p
+            every += policies
+    assert len([w for w in caught if "remat" in str(w.message)]) == 4  # once per block
+    assert all(q is not None and q.warned and q.unfollowed > 0 for q in every)

@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import remat
 from remat import RematError
 from remat.bench.measure import peak_step_bytes
+from remat.planning import planner
 from remat.planning._plan import Option
 from remat.planning.apply import apply_option, undo_option
 from remat.planning.planner import (
@@ -169,12 +170,17 @@ def test_a_graph_option_offloads_exactly_the_ops_its_plan_names(disk: DiskTier) 
     assert _files(disk) == []
 
 
-def test_under_autocast_an_option_s_cached_bytes_are_its_casts_alone(disk: DiskTier) -> None:
+def test_under_autocast_an_option_s_cached_bytes_are_its_casts_alone(
+    disk: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Under a loop's autocast, what an option leaves in autocast's cache (``cached``) is the
     casts of the block's weights, whatever the option does with its input: a region that
     writes its input to disk frees it as the next block starts, which counts in ``kept``. Were
     it counted in ``cached`` too, every disk plan would be predicted an input per block above
     its peak at the forward's end, and the disk tier would reach no lower than recompute."""
+    # Every option is kept: which ones another beats on time is a matter of timing noise, and
+    # the memory each holds is what this test reads.
+    monkeypatch.setattr(planner, "undominated", lambda options: options)
     model = _build()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         profiled = profile_model(model, X, _loss, tiers=["recompute", "disk"], repeats=0)

@@ -118,9 +118,13 @@ def _op_module(region: str, names: ModuleNames | None) -> str:
 
 def _selective_contexts(policy: Any, policy_fn: Callable[..., Any]) -> Any:
     """The selective-checkpoint contexts of one traced pass of a region: a policy that counts
-    ops within a call (a plan's, ``_remat_counts_calls``) starts counting afresh, as its block's
-    pre-hook makes it do in eager mode."""
+    ops within a call (a plan's, ``_remat_counts_calls``) warns about the ops of the pass before
+    that it could not follow, and starts counting afresh, as its block's hooks make it do in
+    eager mode."""
     if getattr(policy, "_remat_counts_calls", False):
+        # The block's forward hooks, which warn about ops the plan could not follow and start
+        # each eager call afresh, do nothing while Dynamo traces: the passes do both here.
+        policy.done(compiled=True)
         policy.reset()
     return create_selective_checkpoint_contexts(policy_fn)  # type: ignore[no-untyped-call]
 

@@ -13,7 +13,10 @@ A forward that differs from the profiled one (other shapes, another branch) stay
 whose key the plan does not know is kept (keeping is always exact; so is recomputing), and the
 policy counts it. The first call that meets such ops warns once per policy, naming how many ops
 it could not follow and one of their keys; ``Plan.report()`` shows the counts next to the
-prediction. Larger inputs than the profiled ones follow the plan (its keys do not name shapes)
+prediction. Under ``torch.compile`` the block's hooks do nothing while Dynamo traces (state
+they changed between Dynamo's restarts of a trace made it fail); each traced pass of the
+region warns about the pass before and starts the count afresh instead (rule 2 of [ Regions
+under torch.compile ] in ``_compile.py``). Larger inputs than the profiled ones follow the plan (its keys do not name shapes)
 but hold more than it predicted: a pre-hook on the first block (:class:`UnlikeProfiled`) warns
 once when that block's tensor inputs have more bytes than in the profiled step (in eager mode:
 a compiled step is not checked). It warns once too when the block runs under other autocast
@@ -127,15 +130,27 @@ class PlanPolicy:
         """A new call of the block: count occurrences afresh (a forward pre-hook)."""
         self.counter.reset()
 
-    def done(self, *_: Any) -> None:
-        """The block's forward returned (a forward hook): warn once about unknown ops."""
+    def done(self, *_: Any, compiled: bool = False) -> None:
+        """The block's forward returned (a forward hook), or a pass of the compiler's trace
+        of it begins (``compiled``): warn once about unknown ops."""
         if self.unknown and not self.warned:
             self.warned = True
+            if compiled:
+                # Dynamo traces some ops otherwise than eager runs them (dropout as one
+                # native_dropout, on the CPU), and a plan is made in eager mode.
+                why = (
+                    "as torch.compile traced it, which differs from the eager forward the "
+                    "plan was made from; the compiler saves them, gradients stay exact. The "
+                    "plan's memory holds for the eager step; see plan.report()."
+                )
+            else:
+                why = (
+                    "which ran differently from the profiled one; they are kept, gradients "
+                    "stay exact. Plan again for this forward, or see plan.report()."
+                )
             warnings.warn(
                 f"remat: the plan for {self.block or 'a block'} could not follow "
-                f"{self.unfollowed} op(s) of its forward (first: {self.unknown[0]}), which "
-                "ran differently from the profiled one; they are kept, gradients stay exact. "
-                "Plan again for this forward, or see plan.report().",
+                f"{self.unfollowed} op(s) of its forward (first: {self.unknown[0]}), {why}",
                 stacklevel=2,
             )
 
@@ -208,12 +223,16 @@ def _policy(module: nn.Module) -> PlanPolicy | None:
 
 
 def _reset(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
     policy = _policy(module)
     if policy is not None:
         policy.reset()
 
 
 def _done(module: nn.Module, args: Any, out: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
     policy = _policy(module)
     if policy is not None:
         policy.done()
