@@ -15,7 +15,7 @@ from torch import nn
 
 import remat
 from remat.bench.measure import peak_step_bytes
-from remat.planning._budget import parse_budget
+from remat.planning._budget import fmt_bytes, parse_budget
 from remat.workloads.gpt import GPT, GPTConfig, _lm_loss
 
 from helpers import assert_records_equal, assert_save_and_resume_exact, train
@@ -199,9 +199,11 @@ def test_infeasible_budget_names_the_smallest_that_fits() -> None:
     from remat.planning.planner import solve
 
     _, _, _, profiled = _profiled_gpt()
-    with pytest.raises(remat.RematError, match=r"smallest that fits is .* \((\d+) bytes") as info:
+    with pytest.raises(remat.NoPlanFits, match=r"budget of .* \(1000, 1000 bytes\)") as info:
         solve(profiled, 1000)
-    smallest = int(str(info.value).split("(")[2].split(" bytes")[0])
+    smallest = info.value.smallest
+    # Both in bytes: in MiB to one decimal, a budget just below the smallest reads the same.
+    assert f"smallest that fits is {fmt_bytes(smallest)} ({smallest} bytes" in str(info.value)
     assert solve(profiled, smallest).predicted_peak <= smallest
 
 

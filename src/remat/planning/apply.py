@@ -14,15 +14,15 @@ whose key the plan does not know is kept (keeping is always exact; so is recompu
 policy counts it. The first call that meets such ops warns once per policy, naming how many ops
 it could not follow and one of their keys; ``Plan.report()`` shows the counts next to the
 prediction. Under ``torch.compile`` the block's hooks do nothing while Dynamo traces (state
-they changed between Dynamo's restarts of a trace made it fail); each traced pass of the
-region warns about the pass before and starts the count afresh instead (rule 2 of [ Regions
-under torch.compile ] in ``_compile.py``). Larger inputs than the profiled ones follow the plan (its keys do not name shapes)
-but hold more than it predicted: a pre-hook on the first block (:class:`UnlikeProfiled`) warns
-once when that block's tensor inputs have more bytes than in the profiled step (in eager mode:
-a compiled step is not checked). It warns once too when the block runs under other autocast
-settings than the plan was made for (none, or another dtype): casts change what a step holds,
-and a plan measured the casts of its own loop only (see NOTE [ Planning under autocast ] in
-``_autocast.py``).
+they changed between Dynamo's restarts of a trace made it fail); each traced pass of the region
+warns about the pass before and starts the count afresh instead (rule 2 of [ Regions under
+torch.compile ] in ``_compile.py``). Larger inputs than the profiled ones follow the plan (its
+keys do not name shapes) but hold more than it predicted: a pre-hook on the first block
+(:class:`UnlikeProfiled`) warns once when that block's tensor inputs have more bytes than in
+the profiled step (in eager mode: a compiled step is not checked). It warns once too when the
+block runs under other autocast settings than the plan was made for (none, or another dtype):
+casts change what a step holds, and a plan measured the casts of its own loop only (see
+NOTE [ Planning under autocast ] in ``_autocast.py``).
 
 NOTE [ The mode a plan was made in ]
 

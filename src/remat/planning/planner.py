@@ -832,8 +832,9 @@ def solve(
     if picks is None:
         smallest = _smallest(costs, chain)
         raise NoPlanFits(
-            f"remat.plan: no plan fits a budget of {fmt_bytes(budget_bytes)} ({budget!r}); the "
-            f"smallest that fits is {fmt_bytes(smallest)} ({smallest} bytes, "
+            f"remat.plan: no plan fits a budget of {fmt_bytes(budget_bytes)} ({budget!r}, "
+            f"{budget_bytes} bytes); the smallest that fits is {fmt_bytes(smallest)} "
+            f"({smallest} bytes, "
             f"{smallest / max(plain.peak, 1):.0%} of the plain step's "
             f"{fmt_bytes(plain.peak)}). Raise the budget.",
             smallest,
