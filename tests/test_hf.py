@@ -282,9 +282,13 @@ def test_a_budget_is_planned_exact_and_within_it(name: str, budget: str) -> None
     plain_held = _held_for_backward(model, inputs)
     with pytest.raises(remat.RematError, match="pass example_inputs="):
         remat.hf.enable(model, budget="50%")
-    loss_fn: Callable[[Any], Any] = lambda out: out.loss  # noqa: E731
-    # A budget near the smallest: the plan sets policies up, not only regions.
-    remat.hf.enable(model, budget=budget, example_inputs=inputs, loss_fn=loss_fn, repeats=0)
+    unlabelled = {k: v for k, v in inputs.items() if k != "labels"}
+    with pytest.raises(remat.RematError, match="has no loss to plan the step with: pass labels"):
+        remat.hf.enable(model, budget=budget, example_inputs=unlabelled, repeats=0)
+    assert not any(m._forward_pre_hooks for m in model.modules())  # left as it was
+    # A budget near the smallest: the plan sets policies up, not only regions. The loss is the
+    # one the model computes from labels (``out.loss``), as in training.
+    remat.hf.enable(model, budget=budget, example_inputs=inputs, repeats=0)
     layers = [m for m in model.modules() if remat.hf.layer_classes(model)[0] is type(m)]
     assert any(remat.modules.is_wrapped(m) for m in layers)
     _assert_exact(plain, _step(model, inputs))

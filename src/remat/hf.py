@@ -99,7 +99,10 @@ def enable(
             decides per op what each layer keeps, offloads or recomputes (the graph engine).
         budget: instead of a policy, the memory the step may use, planned by ``remat.fit``
             (bytes, or a fraction of the plain step's activation memory); needs
-            ``example_inputs`` and ``loss_fn``.
+            ``example_inputs``, the keyword arguments of a training call (with ``labels``).
+        example_inputs: with ``budget``, the model's inputs for the measured step.
+        loss_fn: with ``budget``, output -> loss; default ``output.loss``, the loss the model
+            computes from ``labels``.
         layers: the modules to make regions, in any form :func:`remat.apply` takes (a class, a
             tuple of classes, a predicate or qualified names); default:
             :func:`layer_classes`.
@@ -178,10 +181,10 @@ def _fit(
 ) -> nn.Module:
     from .planning import fit
 
-    if example_inputs is None or loss_fn is None:
+    if example_inputs is None:
         raise RematError(
             "remat.hf.enable: budget= plans from one measured step; pass example_inputs= (the "
-            "model's inputs) and loss_fn= (output -> loss) too."
+            "model's inputs, with labels= for its loss; or loss_fn= too, output -> loss)."
         )
     match = modules._matcher(where, model)
     layers = [name for name, m in model.named_modules() if name and match(name, m)]
@@ -193,12 +196,32 @@ def _fit(
     for name in layers:
         model.get_submodule(name).register_forward_pre_hook(_drop_cache, with_kwargs=True)
     try:
-        fit(model, example_inputs, budget=budget, loss_fn=loss_fn, blocks=layers, **options)
+        fit(
+            model,
+            example_inputs,
+            budget=budget,
+            loss_fn=loss_fn or _output_loss,
+            blocks=layers,
+            **options,
+        )
     except BaseException:
         for name in layers:  # a failed plan leaves the model as it was
             modules.remove_hooks(model.get_submodule(name), lambda hook: hook is _drop_cache)
         raise
     return model
+
+
+def _output_loss(out: Any) -> torch.Tensor:
+    """The loss a Hugging Face model computes from ``labels`` (``out.loss``): the planned
+    step's loss where ``loss_fn`` is not given."""
+    loss = getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise RematError(
+            f"remat.hf.enable: the model's output ({type(out).__name__}) has no loss to plan "
+            "the step with: pass labels in example_inputs (as in training), or loss_fn= "
+            "(output -> loss)."
+        )
+    return loss
 
 
 _signatures: weakref.WeakKeyDictionary[type[nn.Module], inspect.Signature] = (
