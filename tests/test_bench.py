@@ -185,6 +185,33 @@ def test_plot_labels_fall_back_to_numbers_where_names_do_not_fit() -> None:
     assert not any(report._overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
 
 
+def test_plot_of_a_crowded_run_labels_every_point_or_keys_it() -> None:
+    """Thirty long names within 3 MiB and 0.03 s: each point gets its name or a number beside
+    it, the numbered ones are listed under the axes, and no two labels overlap."""
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    rows = [report.Row("none", "x", 100 * 2**20, 1.0, 1.0, 1.0, True)]
+    for i in range(30):
+        peak = int((50 + 0.1 * i) * 2**20)
+        rows.append(
+            report.Row(f"remat-a-long-name-{i}", "x", peak, 0.5, 1.2 + 0.001 * i, 1.2, True)
+        )
+    fig = report.figure(report.Result("w", "d", "cpu", 3, 0, 3, rows, {}))
+    fig.canvas.draw()
+    labels = [t for t in fig.axes[0].texts if t.get_text()]
+    names = [t.get_text() for t in labels]
+    numbered = {n for n in names if n.isdigit()}
+    assert len(labels) == len(rows) and numbered  # one label a point; some numbered
+    key = " ".join(t.get_text() for t in fig.texts)
+    assert all(f"{n}: " in key for n in numbered)
+    assert sum(f"remat-a-long-name-{i}" in names for i in range(30)) + len(numbered) == 30
+    # The text's own box (an annotation's also spans its leader line).
+    boxes = [Text.get_window_extent(t) for t in labels]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    plt.close(fig)
+
+
 def test_plot_with_every_kind_of_point_is_written(tmp_path: Path) -> None:
     rows = [
         *_result().rows,

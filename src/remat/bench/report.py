@@ -253,11 +253,23 @@ def write_json(result: Result, path: Path) -> None:
 
 
 def write_plot(result: Result, path: Path) -> None:
-    """Activation memory against step time: one point per strategy, the planner's points
-    joined by budget, the Pareto front; every label placed where it overlaps no other label,
-    point or the legend (:func:`_label_positions`)."""
+    """Activation memory against step time as a PNG (see :func:`figure`)."""
     import io
 
+    import matplotlib.pyplot as plt
+
+    fig = figure(result)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    _atomic_write(path, buffer.getvalue())
+
+
+def figure(result: Result) -> Any:
+    """Activation memory against step time: one point per strategy, the planner's points
+    joined by budget, the Pareto front; every label placed where it overlaps no other label,
+    point, drawn line or the legend (:func:`_label_positions`), a numbered key under the axes
+    for names that fit nowhere. A matplotlib figure (Agg); close it with ``plt.close``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -353,21 +365,19 @@ def write_plot(result: Result, path: Path) -> None:
         (i for i in range(len(rows)) if kind[i] != "matched"),
         key=lambda i: ("baseline", "auto", "auto-disk", "remat").index(kind[i]),
     )
-    key: list[str] = []
-    for reserve in (0.0, 0.05):
-        fig.tight_layout(rect=(0, reserve, 1, 1))
-        points = [(xs[i], ys[i], rows[i].strategy) for i in order]
-        key = _annotate(fig, ax, legend, points, lines)
-        if not key:
-            break
-        for text in ax.texts[-len(order) :]:
-            text.remove()  # placed again in the smaller axes
+    points = [(xs[i], ys[i], rows[i].strategy) for i in order]
+    fig.tight_layout()
+    key = _annotate(fig, ax, legend, points, lines)
     if key:
+        # A strip under the axes for the key, about 140 characters a line at its size; the
+        # labels are placed again in the smaller axes.
+        lines_needed = len("  ".join(key)) // 140 + 1
+        for text in ax.texts[-len(order) :]:
+            text.remove()
+        fig.tight_layout(rect=(0, min(0.4, 0.03 + 0.03 * lines_needed), 1, 1))
+        key = _annotate(fig, ax, legend, points, lines)
         fig.text(0.01, 0.01, "  ".join(key), fontsize=7, va="bottom", wrap=True)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    _atomic_write(path, buffer.getvalue())
+    return fig
 
 
 def _kind(strategy: str) -> str:
