@@ -148,13 +148,11 @@ def _boxes(
     sizes: list[tuple[float, float]],
     places: list[tuple[float, float, str, str, bool]],
 ) -> list[tuple[float, float, float, float]]:
-    boxes = []
-    for (cx, cy), (w, h), (dx, dy, ha, va, _) in zip(centres, sizes, places, strict=True):
-        x, y = cx + dx, cy + dy  # scale 1: points are pixels
-        x0 = x if ha == "left" else x - w if ha == "right" else x - w / 2
-        y0 = y if va == "bottom" else y - h if va == "top" else y - h / 2
-        boxes.append((x0, y0, x0 + w, y0 + h))
-    return boxes
+    # Scale 1: offsets in points are pixels.
+    return [
+        report.text_box(cx + dx, cy + dy, w, h, ha, va)
+        for (cx, cy), (w, h), (dx, dy, ha, va, _) in zip(centres, sizes, places, strict=True)
+    ]
 
 
 def test_plot_labels_of_a_crowded_cluster_overlap_nothing() -> None:

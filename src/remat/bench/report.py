@@ -275,6 +275,8 @@ def figure(result: Result) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .strategies import matched_torch
+
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
     rows = result.rows
     xs = [r.step_seconds for r in rows]
@@ -336,7 +338,7 @@ def figure(result: Result) -> Any:
         )
         at = {r.strategy: (xs[i], ys[i]) for i, r in enumerate(rows)}
         for i in matched:
-            start = at.get(rows[i].strategy[len("remat-auto@") :])
+            start = at.get(matched_torch(rows[i].strategy) or "")
             if start is not None:  # from the torch point to the plan at its peak
                 lines.append([start, (xs[i], ys[i])])
                 ax.annotate(
@@ -367,25 +369,27 @@ def figure(result: Result) -> Any:
     )
     points = [(xs[i], ys[i], rows[i].strategy) for i in order]
     fig.tight_layout()
-    key = _annotate(fig, ax, legend, points, lines)
+    labels, key = _annotate(fig, ax, legend, points, lines)
     if key:
         # A strip under the axes for the key, about 140 characters a line at its size; the
         # labels are placed again in the smaller axes.
         lines_needed = len("  ".join(key)) // 140 + 1
-        for text in ax.texts[-len(order) :]:
-            text.remove()
+        for label in labels:
+            label.remove()
         fig.tight_layout(rect=(0, min(0.4, 0.03 + 0.03 * lines_needed), 1, 1))
-        key = _annotate(fig, ax, legend, points, lines)
+        _, key = _annotate(fig, ax, legend, points, lines)
         fig.text(0.01, 0.01, "  ".join(key), fontsize=7, va="bottom", wrap=True)
     return fig
 
 
 def _kind(strategy: str) -> str:
-    if strategy.startswith("remat-auto@torch-"):
+    from .strategies import AUTO, AUTO_DISK, matched_torch
+
+    if matched_torch(strategy) is not None:
         return "matched"
-    if strategy.startswith("remat-auto@"):
+    if strategy.startswith(AUTO):
         return "auto"
-    if strategy.startswith("remat-auto-disk@"):
+    if strategy.startswith(AUTO_DISK):
         return "auto-disk"
     return "remat" if strategy.startswith("remat") else "baseline"
 
@@ -396,10 +400,10 @@ def _annotate(
     legend: Any,
     points: list[tuple[float, float, str]],
     lines: list[list[tuple[float, float]]],
-) -> list[str]:
+) -> tuple[list[Any], list[str]]:
     """Label each point of ``points`` (data coordinates, name) at a free place, off the
-    ``lines`` too; a point whose name fits nowhere gets a number, and the returned key says
-    which name each number is."""
+    ``lines`` too; a point whose name fits nowhere gets a number. Returns the labels drawn and
+    the key: which name each number is."""
     renderer = fig.canvas.get_renderer()
     scale = fig.dpi / 72  # points to pixels
     centres = [tuple(ax.transData.transform((x, y))) for x, y, _ in points]
@@ -432,11 +436,11 @@ def _annotate(
         (frame.x0, frame.y0, frame.x1, frame.y1),
         scale,
     )
-    key = []
+    labels, key = [], []
     for (x, y, name), number, place in zip(points, numbers, places, strict=True):
         dx, dy, ha, va, numbered = place
         far = dx * dx + dy * dy > 10**2  # beyond the first ring: a leader line
-        ax.annotate(
+        label = ax.annotate(
             number if numbered else name,
             (x, y),
             textcoords="offset points",
@@ -456,9 +460,10 @@ def _annotate(
             },
             zorder=6,
         )
+        labels.append(label)
         if numbered:
             key.append(f"{number}: {name}")
-    return key
+    return labels, key
 
 
 Box = tuple[float, float, float, float]  # x0, y0, x1, y1 in pixels
@@ -492,11 +497,7 @@ def _label_positions(
                 dx, dy = r * cos, r * sin
                 ha = "left" if cos > 0.3 else "right" if cos < -0.3 else "center"
                 va = "bottom" if sin > 0.3 else "top" if sin < -0.3 else "center"
-                x = cx + dx * scale
-                y = cy + dy * scale
-                x0 = x if ha == "left" else x - w if ha == "right" else x - w / 2
-                y0 = y if va == "bottom" else y - h if va == "top" else y - h / 2
-                text = (x0, y0, x0 + w, y0 + h)
+                text = text_box(cx + dx * scale, cy + dy * scale, w, h, ha, va)
                 if _inside(text, frame) and not any(_overlap(text, t) for t in taken):
                     place = (dx, dy, ha, va, numbered)
                     taken.append(text)
@@ -505,6 +506,13 @@ def _label_positions(
                 break
         places.append(place or (6.0, 0.0, "left", "center", False))
     return places
+
+
+def text_box(x: float, y: float, w: float, h: float, ha: str, va: str) -> Box:
+    """The box of a ``w`` by ``h`` text anchored at ``(x, y)`` with that alignment."""
+    x0 = x if ha == "left" else x - w if ha == "right" else x - w / 2
+    y0 = y if va == "bottom" else y - h if va == "top" else y - h / 2
+    return (x0, y0, x0 + w, y0 + h)
 
 
 def _inside(box: Box, frame: Box) -> bool:
