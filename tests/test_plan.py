@@ -148,6 +148,116 @@ def test_fit_with_batchnorm_and_dropout_is_exact() -> None:
     assert_records_equal(train(before, batches, loss_fn), train(fitted, batches, loss_fn))
 
 
+class _Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+
+def test_the_blocks_are_every_run_of_one_class_outermost_first() -> None:
+    """By default the blocks are the children of ``nn.Sequential`` and ``nn.ModuleList`` that
+    sit in runs of two or more of one class, in every container (a ResNet's stages), with
+    trainable parameters where any run has them; a run inside a block is part of the block,
+    and a run of stages gives way to the runs inside them."""
+    from remat.planning.profile import find_blocks
+
+    flat = nn.Sequential(nn.Linear(4, 4), *(_ConvBlock() for _ in range(3)), nn.Linear(4, 4))
+    assert find_blocks(flat) == ["1", "2", "3"]
+    stages = nn.Sequential(
+        nn.Conv2d(3, 8, 1),
+        nn.Sequential(_ConvBlock(), _ConvBlock()),
+        nn.Sequential(nn.ReLU(), _ConvBlock(), _ConvBlock(), _ConvBlock()),
+    )
+    assert find_blocks(stages) == ["1.0", "1.1", "2.1", "2.2", "2.3"]
+    runs = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.ReLU(), nn.Tanh(), nn.Tanh())
+    assert find_blocks(runs) == ["0", "1"]  # the Tanh run has no parameters
+    assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Tanh())) == ["1", "2"]
+    mlp = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)))
+    assert find_blocks(mlp) == ["0", "1", "2"]  # blocks that are containers with no runs
+    nested = nn.ModuleList([_Heads(), _Heads()])
+    assert find_blocks(nested) == ["0", "1"]
+    assert find_blocks(nested[0]) == ["heads.0", "heads.1"]
+    with pytest.raises(remat.RematError, match="two or more modules of one class next to each"):
+        find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+
+
+def test_a_model_with_blocks_in_several_stages_is_planned_over_all_of_them_exactly() -> None:
+    """A ResNet-like model, its blocks in two ``nn.Sequential`` stages between a stem and a
+    head, with BatchNorm and dropout: ``remat.fit`` with no ``blocks=`` plans the blocks of
+    both stages, and trains bit-equal to the plain model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 1),
+        nn.Sequential(_ConvBlock(), _ConvBlock()),
+        nn.MaxPool2d(2),
+        nn.Sequential(_ConvBlock(), _ConvBlock()),
+        nn.Flatten(),
+        nn.Linear(512, 5),
+    )
+    x = torch.randn(4, 3, 16, 16)
+    target = torch.tensor([1, 3, 0, 4])
+    loss_fn = nn.functional.cross_entropy
+    before, fitted = copy.deepcopy(model), copy.deepcopy(model)
+    plan = remat.fit(fitted, x, budget="75%", loss_fn=lambda o: loss_fn(o, target), repeats=0)
+    assert [b["path"] for b in plan.blocks] == ["1.0", "1.1", "3.0", "3.1"]
+    assert any(b["option"] != "plain" for b in plan.blocks)
+    batches = [(x, target), (x, target)]
+    assert_records_equal(train(before, batches, loss_fn), train(fitted, batches, loss_fn))
+
+
+class _EncoderDecoder(nn.Module):
+    """Blocks registered in another order than the forward calls them (decoder first), and
+    heads the training forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = nn.ModuleList(_MLPBlock(16) for _ in range(2))
+        self.encoder = nn.ModuleList(_MLPBlock(32) for _ in range(3))
+        self.proj = nn.Linear(32, 16)
+        self.eval_heads = nn.ModuleList([nn.Linear(16, 2), nn.Linear(16, 2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.encoder:
+            x = block(x)
+        x = self.proj(x)
+        for block in self.decoder:
+            x = block(x)
+        return x
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.relu(self.up(x))))
+
+
+def test_blocks_found_are_planned_in_forward_order_and_those_not_called_left_out() -> None:
+    torch.manual_seed(0)
+    model = _EncoderDecoder()
+    x = torch.randn(64, 32)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    before, fitted = copy.deepcopy(model), copy.deepcopy(model)
+    plan = remat.fit(fitted, x, budget="65%", loss_fn=loss_fn, repeats=0)
+    paths = [b["path"] for b in plan.blocks]
+    assert paths == ["encoder.0", "encoder.1", "encoder.2", "decoder.0", "decoder.1"]
+    assert plan.measured["verified_peak"] <= plan.budget
+    batches = [(x, torch.zeros(0)), (x, torch.zeros(0))]
+    assert_records_equal(
+        train(before, batches, lambda o, _: loss_fn(o)),
+        train(fitted, batches, lambda o, _: loss_fn(o)),
+    )
+    # Blocks the user names must run.
+    with pytest.raises(remat.RematError, match=r"block 'eval_heads\.0' did not run in the example"):
+        remat.plan(model, x, budget="65%", loss_fn=loss_fn, blocks=["encoder.0", "eval_heads.0"])
+
+
 def test_planning_writes_no_profiler_notices_to_stderr(capfd: pytest.CaptureFixture[str]) -> None:
     """The profiler remat measures memory with makes libkineto write a notice to standard
     error at each start and stop (``USDT:... profiler_start``): dozens of lines per plan that
@@ -354,8 +464,8 @@ def test_larger_inputs_than_planned_are_followed_exactly_with_one_warning() -> N
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = train(planned, large, _lm_loss)  # two steps, one warning
-    assert [str(w.message)[:54] for w in caught] == [
-        "remat: blocks.0 got inputs of 8.0 KiB where the plan w"
+    assert [str(w.message)[:62] for w in caught] == [
+        "remat: block 'blocks.0' got inputs of 8.0 KiB where the plan w"
     ]
     assert_records_equal(train(model, large, _lm_loss), got)
     remat.unapply(planned)

@@ -302,8 +302,8 @@ class UnlikeProfiled:
 
     def _warn(self, what: str, fix: str) -> None:
         warnings.warn(
-            f"remat: {self.path} {what}, so the plan's budget of {fmt_bytes(self.budget)} does "
-            f"not hold for this step (gradients stay exact). {fix}",
+            f"remat: block {self.path!r} {what}, so the plan's budget of "
+            f"{fmt_bytes(self.budget)} does not hold for this step (gradients stay exact). {fix}",
             stacklevel=3,
         )
 

@@ -752,7 +752,8 @@ def profile_model(
     started = time.perf_counter()
     with outside(autocast), _as_found(model):
         step = _step(model, example_inputs, loss_fn)
-        found = capture(model, paths, step)
+        found = capture(model, paths, step, named=blocks is not None)
+        paths = found.paths
         # Every predicted ratio divides by this time: the median of as many steps as each
         # option's timing takes (a 2-core machine's steps vary by 5-10%).
         plain = measure_plain_step(model, paths, step, device, repeats=max(repeats, 1))
@@ -1060,8 +1061,9 @@ def plan(
             state): a fraction of the plain step's (``"50%"``, ``0.5``) or bytes
             (``600 * 2**20``, ``"1.5GiB"``).
         loss_fn: ``loss_fn(output) -> scalar``; by default the sum of the output.
-        blocks: the repeated blocks, as submodule paths or a module class; by default the
-            children of the largest ``nn.ModuleList``/``nn.Sequential`` of one class.
+        blocks: the repeated blocks, as submodule paths or a module class; by default every
+            child of an ``nn.ModuleList``/``nn.Sequential`` in a run of two or more of one
+            class (a transformer's layers, a ResNet's blocks in each stage).
         tiers: what the plan may use: ``"recompute"`` (the default, alone), ``"disk"`` (files
             in a private directory, see :class:`~remat.store.DiskTier`; the tier named
             ``"disk"`` when the plan runs, see :func:`remat.store.tiers`), ``"host"`` (pinned

@@ -118,8 +118,10 @@ def _signature(module: nn.Module) -> tuple[Any, ...]:
 
 
 def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
-    """The paths of the model's blocks: those named, or the children of the largest container
-    of same-class modules."""
+    """The paths of the model's blocks: those named, or else every child of an ``nn.ModuleList``
+    or ``nn.Sequential`` that sits in a run of two or more of one class (with trainable
+    parameters, where any run has them). A run inside a block is part of the block; a run of
+    containers (stages) holding runs of their own gives way to those."""
     names = dict(model.named_modules())
     if blocks is not None:
         if isinstance(blocks, type):
@@ -140,28 +142,42 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
                 "give submodule paths such as 'layers.0', or a module class."
             )
         return found
-    best: list[str] = []
-    best_size = 0
+    runs: list[list[str]] = []
     for name, module in names.items():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.named_children())
-        if len(children) < 2:
-            continue
-        classes = {type(c) for _, c in children}
-        if len(classes) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters()) + len(children)
-        if size > best_size:
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
             prefix = f"{name}." if name else ""
-            best, best_size = [prefix + n for n, _ in children], size
-    if not best:
+            runs += [[prefix + n for n in run] for run in _repeated_runs(module)]
+    weighty = [run for run in runs if any(p.requires_grad for p in names[run[0]].parameters())]
+    found = [n for run in (weighty or runs) for n in run]
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    found = [  # a stage (a container) of blocks is not a block: its blocks are
+        n
+        for n in found
+        if not isinstance(names[n], containers) or not any(o.startswith(n + ".") for o in found)
+    ]
+    found = [n for n in found if not any(n.startswith(o + ".") for o in found)]
+    if not found:
         raise RematError(
-            f"remat.plan: found no repeated blocks in {type(model).__name__} (an nn.ModuleList "
-            "or nn.Sequential of modules of one class); name them with blocks=['layers.0', ...] "
-            "or blocks=BlockClass."
+            f"remat.plan: found no repeated blocks in {type(model).__name__} (two or more "
+            "modules of one class next to each other in an nn.ModuleList or nn.Sequential); "
+            "name them with blocks=['layers.0', ...] or blocks=BlockClass."
         )
-    return best
+    return found
+
+
+def _repeated_runs(container: nn.Module) -> list[list[str]]:
+    """The names of the children in runs of two or more of one class: the three ``Block``s of
+    ``nn.Sequential(stem, Block, Block, Block, head)``."""
+    children = list(container.named_children())
+    runs: list[list[str]] = []
+    start = 0
+    for end in range(1, len(children) + 1):
+        if end < len(children) and type(children[end][1]) is type(children[start][1]):
+            continue
+        if end - start >= 2:
+            runs.append([name for name, _ in children[start:end]])
+        start = end
+    return runs
 
 
 def _refuse_cache(path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -196,9 +212,13 @@ def _refuse_cache(path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
     )
 
 
-def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Blocks:
+def capture(
+    model: nn.Module, paths: list[str], step: Callable[[], Any], *, named: bool = True
+) -> Blocks:
     """Run ``step`` once (forward and backward) and capture each block's inputs; blocks whose
-    parameters and input shapes agree get one type name."""
+    parameters and input shapes agree get one type name. The blocks come back in the order the
+    forward calls them; a block it does not call is an error where the user ``named`` the
+    blocks, and left out where ``find_blocks`` found them (a model's evaluation-only heads)."""
     names = dict(model.named_modules())
     found = Blocks(paths=list(paths), types=[])
     handles = []
@@ -253,6 +273,14 @@ def capture(model: nn.Module, paths: list[str], step: Callable[[], Any]) -> Bloc
         for h in handles:
             h.remove()
         last.clear()
+    ran = [path for path in found.inputs if named or path in paths]
+    if not ran:
+        raise RematError(
+            f"remat.plan: none of the blocks found in {type(model).__name__} ({paths[0]!r}, "
+            "...) ran in the example step; give blocks= that the forward calls."
+        )
+    if ran != paths and (not named or len(ran) == len(paths)):
+        return capture(model, ran, step)  # again, in forward order: ``link`` reads it
     signatures: dict[Any, str] = {}
     followers: dict[str, Any] = {}  # type -> the signature of its chain's next copy
     for path in paths:
