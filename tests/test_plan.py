@@ -342,6 +342,9 @@ def test_budget_texts() -> None:
     assert parse_budget("1.5GiB", 1) == int(1.5 * 2**30)
     assert parse_budget("600 MiB", 1) == 600 * 2**20
     assert parse_budget("2kb", 1) == 2000
+    for share in ("150%", "0%"):  # readable, out of range: the message says which range
+        with pytest.raises(remat.RematError, match=r"must lie in \(0%, 100%\] of the plain"):
+            parse_budget(share, 1000)
 
 
 def test_plan_file_round_trip(tmp_path: Any) -> None:

@@ -51,6 +51,11 @@ def parse_budget(budget: object, plain_peak: int) -> int:
             if unit == "%":
                 if 0.0 < value <= 100.0:
                     return int(value / 100.0 * plain_peak)
+                raise RematError(
+                    f"remat.plan: a budget in percent must lie in (0%, 100%] of the plain "
+                    f"step's activation peak (the plain step fits 100%), got {budget!r}; give "
+                    'a share such as "50%", or bytes ("600MiB").'
+                )
             elif unit in _UNITS and value > 0:
                 return int(value * _UNITS[unit])
         raise RematError(f"remat.plan: cannot read the budget {budget!r}; {_HOW}.")
