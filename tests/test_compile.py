@@ -297,6 +297,45 @@ def test_a_compiled_plan_checks_its_mode_and_takes_other_batch_sizes() -> None:
         torch.compile(model, backend="aot_eager")(x)
 
 
+def test_a_model_compiled_before_planning_is_planned_through_the_module_it_wraps(
+    tmp_path: Any,
+) -> None:
+    """``remat.fit(torch.compile(model), ...)``: the planner measures the eager module (its
+    blocks keep their own paths), sets it up, and the compiled wrapper, already run once,
+    traces the planned model again; its steps equal the plain compiled model's bit for bit.
+    A saved plan applies to a compiled copy the same way."""
+    torch.manual_seed(0)
+    model = Model("plain").train()
+    plain = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.square().sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    compiled(x)
+    plan = remat.fit(compiled, x, budget="90%", loss_fn=loss_fn, repeats=0)
+    assert [b["path"] for b in plan.blocks] == ["blocks.0", "blocks.1"]
+    assert [b["option"] for b in plan.blocks] == ["region", "plain"], plan.summary()
+    frames = counter.frame_count
+    b1, b2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = grads(plain, b1, loss_fn(plain(b1)))
+    got = grads(model, b2, loss_fn(compiled(b2)))
+    assert counter.frame_count == frames + 1  # traced again, planned
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+    plan.save(tmp_path / "plan.json")
+    torch.manual_seed(0)
+    again = torch.compile(Model("plain").train(), backend="aot_eager")
+    assert remat.Plan.load(tmp_path / "plan.json").apply(again) is again
+    b3 = x.clone().requires_grad_()
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(grads(again, b3, loss_fn(again(b3))), expected, strict=True)
+    )
+
+
 def test_a_policy_sees_each_ops_module_under_compile_as_in_eager() -> None:
     """Under compile the module an op ran in comes from the trace's ``nn_module_stack``: a
     policy reads the same names as in eager mode, and a block planned per op finds its

@@ -298,3 +298,24 @@ def test_limit_caps_rows_and_modules_and_rejects_negatives() -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(remat.RematError, match=r"table\(limit=.*\): expected a number of rows"):
             report.table(limit=bad)  # type: ignore[arg-type]
+
+
+def test_a_compiled_model_is_explained_through_the_module_it_wraps() -> None:
+    """``remat.explain(torch.compile(model), x)`` reports the eager forward, row for row as
+    ``remat.explain(model, x)`` does, and compiles nothing."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 4))
+    remat.apply(model, lambda name, m: name == "1")
+    x = torch.randn(3, 8)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counter)
+    expected, got = explain(model, x), explain(compiled, x)
+    assert counter.frame_count == 0
+    assert [(r.module, r.op, r.bytes, r.decision) for r in got.rows] == [
+        (r.module, r.op, r.bytes, r.decision) for r in expected.rows
+    ]
+    assert any(r.decision == "recompute" for r in got.rows)
+    torch._dynamo.reset()

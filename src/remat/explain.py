@@ -57,6 +57,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import _state
 from ._aten import op_info
 from ._aten import storage_key as _key
+from ._compile import uncompiled
 from ._dispatch import EagerMode
 from ._nodes import Ref, _Input
 from .errors import RematError
@@ -452,7 +453,9 @@ def explain(
     ``.sorted("bytes")``, ``.by_module()``, ``.to_json()`` for the rest.
 
     The pass runs with gradients enabled and no backward; the random state is restored after it,
-    and so are the buffers of a module (BatchNorm statistics), so explaining changes nothing.
+    and so are the buffers of a module (BatchNorm statistics), so explaining changes nothing. A
+    model that ``torch.compile`` returned is explained through the module it wraps, in eager
+    mode, where remat's decisions are made.
 
     Example::
 
@@ -465,6 +468,7 @@ def explain(
         )
     if _state.state.observer is not None:
         raise RematError("remat.explain: already explaining on this thread; calls do not nest.")
+    model_or_fn = uncompiled(model_or_fn)
     model = model_or_fn if isinstance(model_or_fn, nn.Module) else None
     modules = [""]
     params = {key for p in (model.parameters() if model is not None else ()) if (key := _key(p))}

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from . import modules
+from ._compile import uncompiled
 from .errors import RematError
 from .policies import Policy
 
@@ -115,6 +116,7 @@ def enable(
     """
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.hf.enable: expected an nn.Module, got {type(model).__name__}.")
+    compiled, model = model, uncompiled(model)  # a torch.compile'd model: the module it wraps
     if budget is not None and policy is not None:
         raise RematError(
             "remat.hf.enable: got both policy= and budget=; a budget lets the planner choose "
@@ -130,7 +132,8 @@ def enable(
         )
     where = layer_classes(model) if layers is None else layers
     if budget is not None:
-        return _fit(model, where, budget, example_inputs, loss_fn, options)
+        _fit(model, where, budget, example_inputs, loss_fn, options)
+        return compiled
     before = {id(m) for m in model.modules() if modules.is_wrapped(m)}
     if policy is not None:
         options["policy"] = policy
@@ -138,7 +141,7 @@ def enable(
     for m in model.modules():
         if modules.is_wrapped(m) and id(m) not in before:
             m.register_forward_pre_hook(_drop_cache, with_kwargs=True)
-    return model
+    return compiled
 
 
 def disable(model: nn.Module) -> nn.Module:
@@ -146,6 +149,7 @@ def disable(model: nn.Module) -> nn.Module:
     (policies, offload scopes, segments), runs plainly again; return the model."""
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.hf.disable: expected an nn.Module, got {type(model).__name__}.")
+    compiled, model = model, uncompiled(model)
     from .planning.apply import undo_option, undo_segment_on
 
     found = 0
@@ -162,7 +166,7 @@ def disable(model: nn.Module) -> nn.Module:
             f"remat.hf.disable: no layer of {type(model).__name__} was enabled by "
             "remat.hf.enable; nothing to undo."
         )
-    return model
+    return compiled
 
 
 def _enabled(model: nn.Module) -> bool:
@@ -178,7 +182,7 @@ def _fit(
     example_inputs: Any,
     loss_fn: Callable[..., Any] | None,
     options: dict[str, Any],
-) -> nn.Module:
+) -> None:
     from .planning import fit
 
     if example_inputs is None:
@@ -208,7 +212,6 @@ def _fit(
         for name in layers:  # a failed plan leaves the model as it was
             modules.remove_hooks(model.get_submodule(name), lambda hook: hook is _drop_cache)
         raise
-    return model
 
 
 def _output_loss(out: Any) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from .._compile import uncompiled
 from ..errors import RematError
 from ..modules import guard_hf_checkpointing
 from ._autocast import Autocast
@@ -130,7 +131,9 @@ class Plan:
         )
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Set ``model``'s blocks up as planned, in place; returns ``model``."""
+        """Set ``model``'s blocks up as planned, in place; returns ``model``. A model that
+        ``torch.compile`` returned is set up through the module it wraps."""
+        compiled, model = model, uncompiled(model)
         check_fingerprint(self.fingerprint, fingerprint(model, [b["path"] for b in self.blocks]))
         refuse_set_up("Plan.apply", model, "a plan sets up a model that runs plainly")
         self.policies = []
@@ -161,7 +164,7 @@ class Plan:
                 path = block["path"]
                 model.get_submodule(path).register_forward_pre_hook(RefuseTraining(path))
         guard_hf_checkpointing(model)
-        return model
+        return compiled
 
     # -- text ----------------------------------------------------------------------------------
 

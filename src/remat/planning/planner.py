@@ -46,6 +46,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import modules
+from .._compile import uncompiled
 from ..errors import NoPlanFits, RematError
 from ._autocast import Autocast, loop_forward, outside
 from ._budget import fmt_bytes, parse_budget
@@ -1079,6 +1080,7 @@ def plan(
     naming the smallest budget that fits.
     """
     parse_budget(budget, 1)  # a malformed budget fails before any work
+    model = uncompiled(model)
     if isinstance(model, nn.Module):
         why = (
             "the profile would measure its recompute as the plain step, and the plan run around it"
