@@ -153,19 +153,53 @@ def ddp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(64, 64, generator=g), torch.randint(0, 3, (64,), generator=g)
 
 
-def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """One rank: the user's loop on ``DistributedDataParallel`` around a plain model and
-    around the same model under each remat mechanism, on this rank's own batches."""
+@contextmanager
+def gloo_group(rank: int, world: int, port: int) -> Iterator[None]:
+    """This process as ``rank`` of a gloo process group, for the duration."""
     import os
 
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        yield
+        dist.barrier()  # no rank tears gloo down while another still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+def remat_model(kind: str, rank: int) -> tuple[nn.Sequential, remat.Plan | None]:
+    """``ddp_model()`` under one of ``DDP_KINDS``, set up before any wrapping; a plan is made
+    on this rank's first batch."""
+    model = ddp_model()
+    if kind == "apply":
+        remat.apply(model, Block)
+        return model, None
+    if kind == "graph_policy":
+        remat.apply(model, Block, policy=remat.policies.save_matmuls)
+        return model, None
+    x, labels = ddp_batch(10 * rank)
+    plan = remat.fit(
+        model,
+        x,
+        budget="70%",
+        loss_fn=lambda out: F.cross_entropy(out, labels),
+        repeats=0,
+    )
+    return model, plan
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One rank: the user's loop on ``DistributedDataParallel`` around a plain model and
+    around the same model under each remat mechanism, on this rank's own batches."""
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    with gloo_group(rank, world, port):
 
         def loop(model: nn.Module) -> list[torch.Tensor]:
             ddp = DistributedDataParallel(model)
@@ -186,21 +220,8 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         expected = loop(ddp_model())
         results = {}
         for kind in DDP_KINDS:
-            model = ddp_model()
-            if kind == "apply":
-                remat.apply(model, Block)
-            elif kind == "graph_policy":
-                remat.apply(model, Block, policy=remat.policies.save_matmuls)
-            else:
-                x, labels = ddp_batch(10 * rank)
-                plan = remat.fit(
-                    model,
-                    x,
-                    budget="70%",
-                    loss_fn=lambda out, labels=labels: F.cross_entropy(out, labels),
-                    blocks=Block,
-                    repeats=0,
-                )
+            model, plan = remat_model(kind, rank)
+            if plan is not None:
                 results["planned_blocks"] = sum(b["option"] != "plain" for b in plan.blocks)
             got = loop(model)
             results[kind] = len(got) == len(expected) and all(
@@ -211,8 +232,19 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         same = all(torch.equal(g, gathered[0]) for g in gathered)
         results["grads_differ_across_ranks"] = not same
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+
+
+def ranks_results(worker: Callable[[int, int, int, str], None], out: Path) -> list[Any]:
+    """Run ``worker(rank, world, port, out)`` in two spawned processes; what each rank saved."""
+    import torch.multiprocessing as mp
+
+    from remat.bench.pipeline import _free_port
+
+    world = 2
+    mp.start_processes(
+        worker, args=(world, _free_port(), str(out)), nprocs=world, join=True, start_method="spawn"
+    )
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
 
 
 def test_user_loop_under_distributed_data_parallel_equals_plain(tmp_path: Path) -> None:
@@ -220,20 +252,7 @@ def test_user_loop_under_distributed_data_parallel_equals_plain(tmp_path: Path) 
     dropout draws: under each remat mechanism (a planned model too, planned on each rank
     before wrapping) the loop's losses, gradient norms, all-reduced gradients and parameters
     equal the plain model's under DistributedDataParallel, bit for bit."""
-    import torch.multiprocessing as mp
-
-    from remat.bench.pipeline import _free_port
-
-    world = 2
-    mp.start_processes(
-        _ddp_worker,
-        args=(world, _free_port(), str(tmp_path)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
-    for rank in range(world):
-        results = torch.load(tmp_path / f"rank{rank}.pt")
+    for results in ranks_results(_ddp_worker, tmp_path):
         assert results.pop("planned_blocks") > 0
         assert results == {**dict.fromkeys(DDP_KINDS, True), "grads_differ_across_ranks": False}
 
@@ -241,19 +260,13 @@ def test_user_loop_under_distributed_data_parallel_equals_plain(tmp_path: Path) 
 def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """One rank: the user's loop on a model whose blocks and root ``fully_shard`` shards, plain
     and under each remat mechanism set up before sharding."""
-    import os
     import warnings
 
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from remat.planning._plan import segments
 
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
 
         def loop(model: nn.Sequential) -> list[torch.Tensor]:
             for block in list(model)[:-1]:
@@ -275,20 +288,8 @@ def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         expected = loop(ddp_model())
         results: dict[str, Any] = {}
         for kind in DDP_KINDS:
-            model = ddp_model()
-            if kind == "apply":
-                remat.apply(model, Block)
-            elif kind == "graph_policy":
-                remat.apply(model, Block, policy=remat.policies.save_matmuls)
-            else:
-                x, labels = ddp_batch(10 * rank)
-                plan = remat.fit(
-                    model,
-                    x,
-                    budget="70%",
-                    loss_fn=lambda out, labels=labels: F.cross_entropy(out, labels),
-                    repeats=0,
-                )
+            model, plan = remat_model(kind, rank)
+            if plan is not None:
                 results["planned_blocks"] = sum(b["option"] != "plain" for b in plan.blocks)
                 results["segments"] = len(list(segments(plan.blocks)))
             with warnings.catch_warnings(record=True) as caught:
@@ -301,8 +302,6 @@ def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 torch.equal(a, b) for a, b in zip(expected, got, strict=True)
             )
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_user_loop_under_fsdp2_equals_plain(tmp_path: Path) -> None:
@@ -311,20 +310,7 @@ def test_user_loop_under_fsdp2_equals_plain(tmp_path: Path) -> None:
     model too) the losses, the full gradients and the parameters equal the plain sharded
     model's, bit for bit. FSDP2 hands each block an alias of the previous block's output, so a
     plan's segment runs block by block there, and says so (exact, with more memory)."""
-    import torch.multiprocessing as mp
-
-    from remat.bench.pipeline import _free_port
-
-    world = 2
-    mp.start_processes(
-        _fsdp2_worker,
-        args=(world, _free_port(), str(tmp_path)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
-    for rank in range(world):
-        results = torch.load(tmp_path / f"rank{rank}.pt")
+    for results in ranks_results(_fsdp2_worker, tmp_path):
         assert results.pop("planned_blocks") > 0
         segments = results.pop("segments")
         assert results.pop("fit_unlinked") == segments  # once per segment, then silent
