@@ -258,6 +258,37 @@ def test_blocks_found_are_planned_in_forward_order_and_those_not_called_left_out
         remat.plan(model, x, budget="65%", loss_fn=loss_fn, blocks=["encoder.0", "eval_heads.0"])
 
 
+def test_frozen_lower_blocks_are_left_out_of_the_plan_and_the_rest_planned_exactly() -> None:
+    """Fine-tuning with the lower blocks frozen: those blocks get an input that needs no
+    gradient and train nothing, so autograd saves nothing in them; the blocks found by
+    default leave them out and plan the others. Named, such a block is refused, and a model
+    with every block frozen (a linear probe) says there is nothing to plan."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_MLPBlock(32) for _ in range(4)), nn.Linear(32, 4))
+    for block in list(model)[:2]:
+        block.requires_grad_(False)
+    x = torch.randn(64, 32)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    before, fitted = copy.deepcopy(model), copy.deepcopy(model)
+    plan = remat.fit(fitted, x, budget="80%", loss_fn=loss_fn, repeats=0)
+    assert [b["path"] for b in plan.blocks] == ["2", "3"]
+    assert any(b["option"] != "plain" for b in plan.blocks)
+    batches = [(x, torch.zeros(0)), (x, torch.zeros(0))]
+    assert_records_equal(
+        train(before, batches, lambda o, _: loss_fn(o)),
+        train(fitted, batches, lambda o, _: loss_fn(o)),
+    )
+    with pytest.raises(remat.RematError, match=r"block '0' returned no tensor that requires"):
+        remat.plan(model, x, loss_fn=loss_fn, blocks=["0", "2"], repeats=0)
+    for block in list(model)[2:4]:
+        block.requires_grad_(False)
+    with pytest.raises(remat.RematError, match="with a gradient to compute"):
+        remat.plan(model, x, loss_fn=loss_fn, repeats=0)
+
+
 def test_planning_writes_no_profiler_notices_to_stderr(capfd: pytest.CaptureFixture[str]) -> None:
     """The profiler remat measures memory with makes libkineto write a notice to standard
     error at each start and stop (``USDT:... profiler_start``): dozens of lines per plan that

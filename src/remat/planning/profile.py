@@ -247,6 +247,7 @@ def capture(
 
     # Each block's first output tensor, at its first call: shape, dtype, requires_grad.
     first_out: dict[str, tuple[tuple[int, ...], torch.dtype, bool]] = {}
+    trains: set[str] = set()  # the blocks that returned a tensor that requires grad
 
     def returned(path: str, out: Any) -> None:
         leaves = enumerate(pytree.tree_leaves(out))
@@ -255,6 +256,8 @@ def capture(
         if outputs and path not in first_out:
             t = outputs[0][1]
             first_out[path] = (tuple(t.shape), t.dtype, t.requires_grad)
+        if any(t.requires_grad for _, t, _ in outputs):
+            trains.add(path)
 
     for path in paths:
         module = names[path]
@@ -273,11 +276,15 @@ def capture(
         for h in handles:
             h.remove()
         last.clear()
-    ran = [path for path in found.inputs if named or path in paths]
+    # Blocks found that the step does not call, or whose output needs no gradient (frozen, fed
+    # an input that needs none: autograd saves nothing in them), are left out.
+    ran = [path for path in found.inputs if named or path in trains]
     if not ran:
         raise RematError(
             f"remat.plan: none of the blocks found in {type(model).__name__} ({paths[0]!r}, "
-            "...) ran in the example step; give blocks= that the forward calls."
+            "...) ran in the example step with a gradient to compute (a block whose "
+            "parameters are frozen and whose input needs no gradient saves nothing for "
+            "backward); give blocks= that the forward calls and trains."
         )
     if ran != paths and (not named or len(ran) == len(paths)):
         return capture(model, ran, step)  # again, in forward order: ``link`` reads it
@@ -288,6 +295,12 @@ def capture(
             raise RematError(
                 f"remat.plan: block {path!r} did not run in the example step; give blocks= "
                 "that the forward calls."
+            )
+        if path not in trains:
+            raise RematError(
+                f"remat.plan: block {path!r} returned no tensor that requires grad (its "
+                "parameters are frozen and its input needs no gradient), so autograd saves "
+                "nothing in it and there is nothing to plan; leave it out of blocks=."
             )
         shapes = tuple(
             (tuple(t.shape), t.dtype, t.requires_grad)
