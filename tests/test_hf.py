@@ -273,6 +273,22 @@ def test_hugging_face_checkpointing_turned_on_later_is_refused(how: str) -> None
     assert not model._forward_pre_hooks
 
 
+def test_a_budget_with_the_lower_layers_frozen_plans_the_layers_that_train() -> None:
+    """Fine-tuning with the embeddings and the first layer frozen: that layer computes no
+    gradient and saves nothing, so the plan leaves it out and plans the other; the step stays
+    bit-equal (it used to fail: a block returned no tensor that requires grad)."""
+    model, inputs = _model("llama"), _inputs("llama")
+    model.model.embed_tokens.requires_grad_(False)
+    model.model.layers[0].requires_grad_(False)
+    plain = _step(model, inputs)
+    remat.hf.enable(model, budget="90%", example_inputs=inputs, repeats=0)
+    first, second = model.model.layers
+    assert any(type(h).__name__ == "UnlikeProfiled" for h in second._forward_pre_hooks.values())
+    assert not any(type(h).__name__ == "UnlikeProfiled" for h in first._forward_pre_hooks.values())
+    _assert_exact(plain, _step(model, inputs))
+    remat.hf.disable(model)
+
+
 @pytest.mark.parametrize(("name", "budget"), [("gpt2", "70%"), ("llama", "60%")])
 def test_a_budget_is_planned_exact_and_within_it(name: str, budget: str) -> None:
     """``budget=`` plans with remat.fit over the model's layers: the step stays bit-equal, it

@@ -184,6 +184,7 @@ def _fit(
     options: dict[str, Any],
 ) -> None:
     from .planning import fit
+    from .planning.profile import selects_by_class
 
     if example_inputs is None:
         raise RematError(
@@ -205,7 +206,8 @@ def _fit(
             example_inputs,
             budget=budget,
             loss_fn=loss_fn or _output_loss,
-            blocks=layers,
+            # Classes select: layers the step does not call or train are left out of the plan.
+            blocks=where if selects_by_class(where) else layers,
             **options,
         )
     except BaseException:

@@ -61,7 +61,15 @@ from .apply import (
     undo_segment,
 )
 from .cost import PlainStep, measure_memory, measure_plain_step, measure_seconds, peak_bytes
-from .profile import BlockProfile, capture, find_blocks, first_tensor, fresh_inputs, profile_block
+from .profile import (
+    BlockProfile,
+    capture,
+    find_blocks,
+    first_tensor,
+    fresh_inputs,
+    profile_block,
+    selects_by_class,
+)
 from .solve import (
     CHAIN_MILP_SECONDS,
     RECORD_OVERHEAD,
@@ -753,7 +761,8 @@ def profile_model(
     started = time.perf_counter()
     with outside(autocast), _as_found(model):
         step = _step(model, example_inputs, loss_fn)
-        found = capture(model, paths, step, named=blocks is not None)
+        named = blocks is not None and not selects_by_class(blocks)
+        found = capture(model, paths, step, named=named)
         paths = found.paths
         # Every predicted ratio divides by this time: the median of as many steps as each
         # option's timing takes (a 2-core machine's steps vary by 5-10%).
@@ -1062,9 +1071,12 @@ def plan(
             state): a fraction of the plain step's (``"50%"``, ``0.5``) or bytes
             (``600 * 2**20``, ``"1.5GiB"``).
         loss_fn: ``loss_fn(output) -> scalar``; by default the sum of the output.
-        blocks: the repeated blocks, as submodule paths or a module class; by default every
-            child of an ``nn.ModuleList``/``nn.Sequential`` in a run of two or more of one
-            class (a transformer's layers, a ResNet's blocks in each stage).
+        blocks: the repeated blocks, as submodule paths (each must run and compute a gradient
+            in the step) or a module class or tuple of classes; by default every child of an
+            ``nn.ModuleList``/``nn.Sequential`` in a run of two or more of one class (a
+            transformer's layers, a ResNet's blocks in each stage). Blocks found by default or
+            by class that the step does not call, or that compute no gradient (frozen, fed an
+            input that needs none), are left out.
         tiers: what the plan may use: ``"recompute"`` (the default, alone), ``"disk"`` (files
             in a private directory, see :class:`~remat.store.DiskTier`; the tier named
             ``"disk"`` when the plan runs, see :func:`remat.store.tiers`), ``"host"`` (pinned

@@ -124,7 +124,7 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
     containers (stages) holding runs of their own gives way to those."""
     names = dict(model.named_modules())
     if blocks is not None:
-        if isinstance(blocks, type):
+        if selects_by_class(blocks):
             found = [n for n, m in names.items() if isinstance(m, blocks) and n]
             found = [n for n in found if not any(n.startswith(o + ".") for o in found)]
         else:
@@ -163,6 +163,14 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
             "name them with blocks=['layers.0', ...] or blocks=BlockClass."
         )
     return found
+
+
+def selects_by_class(blocks: Any) -> bool:
+    """Whether ``blocks=`` is a module class or a tuple of them: a selection, which like the
+    default leaves out the blocks a step does not call or train, where paths must run."""
+    return isinstance(blocks, type) or (
+        isinstance(blocks, tuple) and bool(blocks) and all(isinstance(b, type) for b in blocks)
+    )
 
 
 def _repeated_runs(container: nn.Module) -> list[list[str]]:
