@@ -94,19 +94,26 @@ def test_step_times_run_with_glibc_thresholds_fixed_unless_asked_for_the_system_
     assert envs[("memory", "cached")]["MALLOC_MMAP_THRESHOLD_"] == "65536"
 
 
-def test_bench_plans_at_each_torch_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _small_bench(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, *argv: str
+) -> tuple[str, dict[str, Any]]:
+    """``remat bench --size small *argv`` for one round, checked to exit 0: its output and JSON."""
     out_json = tmp_path / "r.json"
     code, out, err = _run(
         capsys,
         "bench",
         "--size", "small",
-        "--strategies", "torch-block",
-        "--budgets", "torch",
+        *argv,
         "--rounds", "1",
         "--json", str(out_json),
         "--plot", str(tmp_path / "r.png"),
     )  # fmt: skip
     assert code == 0, err
+    return out, json.loads(out_json.read_text())
+
+
+def test_bench_plans_at_each_torch_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, data = _small_bench(capsys, tmp_path, "--strategies", "torch-block", "--budgets", "torch")
     # The torch strategy's memory is measured before the plan at its peak is made.
     progress = [
         line.split("] ")[1].split(":")[0] for line in out.splitlines() if line.startswith("[")
@@ -117,7 +124,6 @@ def test_bench_plans_at_each_torch_peak(tmp_path: Path, capsys: pytest.CaptureFi
         "remat.plan",
         "memory of remat-auto@torch-block",
     ]
-    data = json.loads(out_json.read_text())
     rows = {r["strategy"]: r for r in data["rows"]}
     planned, torch_block = rows["remat-auto@torch-block"], rows["torch-block"]
     assert planned["budget_feasible"] and planned["budget_bytes"] == torch_block["peak_bytes"]
@@ -136,21 +142,10 @@ def test_bench_plans_at_each_torch_peak(tmp_path: Path, capsys: pytest.CaptureFi
 def test_bench_under_autocast_runs_and_plans_the_mixed_precision_loop(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out_json = tmp_path / "r.json"
-    code, out, err = _run(
-        capsys,
-        "bench",
-        "--size", "small",
-        "--autocast", "bf16",
-        "--strategies", "torch-block",
-        "--budgets", "0.5",
-        "--rounds", "1",
-        "--json", str(out_json),
-        "--plot", str(tmp_path / "r.png"),
+    out, data = _small_bench(
+        capsys, tmp_path, "--autocast", "bf16", "--strategies", "torch-block", "--budgets", "0.5",
         "--no-progress",
     )  # fmt: skip
-    assert code == 0, err
-    data = json.loads(out_json.read_text())
     assert data["autocast"] == "bfloat16" and data["workload"] == "gpt-small-bf16"
     assert "remat bench: gpt-small-bf16 on cpu" in out
     assert "under autocast (bfloat16)" in data["description"]
@@ -170,20 +165,10 @@ def test_bench_under_autocast_runs_and_plans_the_mixed_precision_loop(
 def test_bench_plans_with_the_disk_tier_below_what_recompute_reaches(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out_json = tmp_path / "r.json"
-    code, _, err = _run(
-        capsys,
-        "bench",
-        "--size", "small",
-        "--strategies", "none",
-        "--budgets", "0.3",
-        "--disk-budgets", "0.3",
-        "--rounds", "1",
-        "--json", str(out_json),
-        "--plot", str(tmp_path / "r.png"),
-    )  # fmt: skip
-    assert code == 0, err
-    rows = {r["strategy"]: r for r in json.loads(out_json.read_text())["rows"]}
+    _, data = _small_bench(
+        capsys, tmp_path, "--strategies", "none", "--budgets", "0.3", "--disk-budgets", "0.3"
+    )
+    rows = {r["strategy"]: r for r in data["rows"]}
     alone, disk = rows["remat-auto@30%"], rows["remat-auto-disk@30%"]
     # Recompute alone cannot reach 30% of the small GPT's peak; with the disk tier it can.
     assert alone["budget_feasible"] == 0 and alone["budget_bytes"] > disk["budget_bytes"]
@@ -269,3 +254,17 @@ def test_python_dash_m_remat_runs_the_cli() -> None:
         [sys.executable, "-m", "remat"], capture_output=True, text=True, timeout=120, check=False
     )
     assert usage.returncode == 2 and "usage: remat" in usage.stderr
+
+
+def test_python_dash_m_remat_cli_reaches_every_subcommand() -> None:
+    """``python -m remat.cli`` runs its main after every function it dispatches to is
+    defined: ``--solve-time`` reaches its own check of the arguments."""
+    done = subprocess.run(
+        [sys.executable, "-m", "remat.cli", "bench", "--solve-time", "--strategies", "none"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "remat bench --solve-time: plans a 48-layer gpt" in done.stderr

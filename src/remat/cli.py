@@ -602,10 +602,6 @@ def _subprocess(request: dict[str, Any]) -> dict[str, Any]:
     return run_child("remat.bench.measure", request, f"the {request['kind']} measurement", env)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def _autocast_dtype(args: argparse.Namespace) -> torch.dtype | None:
     """The dtype ``--autocast`` names; None without it."""
     import torch
@@ -646,3 +642,7 @@ def _offload(args: argparse.Namespace) -> int:
     json_path.write_text(json.dumps(result, indent=1))
     print(f"wrote {json_path}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -125,8 +125,7 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
     names = dict(model.named_modules())
     if blocks is not None:
         if selects_by_class(blocks):
-            found = [n for n, m in names.items() if isinstance(m, blocks) and n]
-            found = [n for n in found if not any(n.startswith(o + ".") for o in found)]
+            found = _outermost([n for n, m in names.items() if isinstance(m, blocks) and n])
         else:
             found = list(blocks)
             missing = [n for n in found if not isinstance(n, str) or n not in names or not n]
@@ -155,7 +154,7 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
         for n in found
         if not isinstance(names[n], containers) or not any(o.startswith(n + ".") for o in found)
     ]
-    found = [n for n in found if not any(n.startswith(o + ".") for o in found)]
+    found = _outermost(found)
     if not found:
         raise RematError(
             f"remat.plan: found no repeated blocks in {type(model).__name__} (two or more "
@@ -163,6 +162,11 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
             "name them with blocks=['layers.0', ...] or blocks=BlockClass."
         )
     return found
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    """``paths`` less those inside another of them: a block nested in a block is part of it."""
+    return [n for n in paths if not any(n.startswith(o + ".") for o in paths)]
 
 
 def selects_by_class(blocks: Any) -> bool:
