@@ -319,3 +319,58 @@ def test_user_loop_under_fsdp2_equals_plain(tmp_path: Path) -> None:
             "apply_unlinked": 0,
             "graph_policy_unlinked": 0,
         }
+
+
+FACTORY_POLICIES = {
+    "save_tagged": lambda: remat.policies.save_tagged("none"),
+    "save_smaller_than": lambda: remat.policies.save_smaller_than(64),
+    "save_if_any": lambda: remat.policies.save_if_any(
+        remat.policies.save_matmuls, remat.policies.save_smaller_than(64)
+    ),
+    "must": lambda: remat.policies.must(remat.policies.save_matmuls),
+    "offload_everything": lambda: remat.policies.offload_everything("disk"),
+    "offload_matmuls": lambda: remat.policies.offload_matmuls("disk"),
+    "offload_larger_than": lambda: remat.policies.offload_larger_than(64, "disk"),
+}
+
+
+@pytest.mark.parametrize("factory", FACTORY_POLICIES)
+def test_whole_model_checkpoint_resumes_equal_to_plain(factory: str, tmp_path: Path) -> None:
+    """``torch.save(model)`` of a model set up with a built-in policy factory, mid-training,
+    with the optimizer's ``state_dict``; a fresh ``torch.load`` of both trains on bit-equal to
+    the plain run, with the same policy, and the step's files are gone after it."""
+    plain = make_model()
+    expected = train(plain, list(plain.parameters()))
+
+    model = make_model()
+    policy = FACTORY_POLICIES[factory]()
+    remat.apply(model, Block, policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    tier = DiskTier(tmp_path / "spill")
+    grads: list[list[torch.Tensor]] = []
+    with remat.store.tiers(disk=tier):
+        for step in range(3):
+            if step == 1:  # the checkpoint a user takes, and the process that resumes from it
+                torch.save({"model": model, "optimizer": optimizer.state_dict()}, tmp_path / "c")
+                saved = torch.load(tmp_path / "c", weights_only=False)
+                model = saved["model"]
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+                optimizer.load_state_dict(saved["optimizer"])
+            x, target = batch(step)
+            optimizer.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)
+            F.cross_entropy(model(x), target).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+            grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+            optimizer.step()
+    tier.close()
+    restored = model[0].forward.options.policy
+    assert restored is not policy and repr(restored) == repr(policy)
+    assert remat.policies.decides_by_op(restored) == remat.policies.decides_by_op(policy)
+    for i, (a, b) in enumerate(zip(expected[1], grads, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"grads of step {i}"
+    for a, b in zip(expected[2][-1], model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    if factory.startswith("offload"):
+        assert tier.stats.bytes_written > 0
+    assert [p for p in (tmp_path / "spill").rglob("*") if p.is_file()] == []

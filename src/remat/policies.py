@@ -218,8 +218,10 @@ def _fields(policy: Any) -> frozenset[str] | None:
         fields = _READS.get(policy)
     except TypeError:  # not weakly referenceable, so not a built-in function
         fields = None
-    if fields is None:  # a built-in class of policies (the planner's) says it on the class
+    if fields is None:  # a built-in class of policies (the planner's, ``_Built``) says it
         fields = getattr(type(policy), "_remat_reads", None)
+        if isinstance(policy, _Built):
+            fields = policy.reads
     return fields
 
 
@@ -295,6 +297,31 @@ def check(policy: Any, caller: str) -> Any:
 def _short(value: Any) -> str:
     text = repr(value)
     return f"({text[:57]}...)" if len(text) > 60 else f"({text})"
+
+
+class _Built:
+    """A policy a factory made (``save_tagged("a")``, ``offload_matmuls("disk")``, ...): a
+    module-level ``decide`` function and the values it was made with, so that a model set up
+    with it pickles (``torch.save(model)``, ``copy.deepcopy``, spawned workers) as one set up
+    with ``save_matmuls`` does; a closure would not."""
+
+    def __init__(
+        self,
+        name: str,
+        reads: frozenset[str] | None,
+        decide: Callable[..., Decision],
+        *state: Any,
+    ) -> None:
+        self.__name__ = name
+        self.reads = reads  # what ``decide`` reads (see ``_fields``); None: anything
+        self.decide = decide
+        self.state = state
+
+    def __call__(self, ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return self.decide(*self.state, ctx, op, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"remat.policies.{self.__name__}"
 
 
 def resolve(decisions: list[Decision], op: Any, module: str) -> Decision:
@@ -386,11 +413,13 @@ def save_tagged(*names: str) -> Policy:
     if not wanted or not all(isinstance(n, str) for n in names):
         raise RematError(f"remat.policies.save_tagged: expected tag names, got {names!r}.")
 
-    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        return Decision.MUST_SAVE if ctx.tags & wanted else Decision.PREFER_RECOMPUTE
+    return _Built(
+        f"save_tagged({', '.join(map(repr, names))})", frozenset({"tags"}), _tagged, wanted
+    )
 
-    policy.__name__ = f"save_tagged({', '.join(map(repr, names))})"
-    return _reads("tags")(policy)
+
+def _tagged(wanted: frozenset[str], ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    return Decision.MUST_SAVE if ctx.tags & wanted else Decision.PREFER_RECOMPUTE
 
 
 @_factory("save_smaller_than(2**20)")
@@ -400,12 +429,12 @@ def save_smaller_than(nbytes: int) -> Policy:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise RematError(f"remat.policies.save_smaller_than: expected bytes >= 0, got {nbytes!r}.")
 
-    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        small = ctx.output_bytes is not None and ctx.output_bytes < nbytes
-        return Decision.PREFER_SAVE if small else Decision.PREFER_RECOMPUTE
+    return _Built(f"save_smaller_than({nbytes})", frozenset({"output_bytes"}), _smaller, nbytes)
 
-    policy.__name__ = f"save_smaller_than({nbytes})"
-    return _reads("output_bytes")(policy)
+
+def _smaller(nbytes: int, ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    small = ctx.output_bytes is not None and ctx.output_bytes < nbytes
+    return Decision.PREFER_SAVE if small else Decision.PREFER_RECOMPUTE
 
 
 @_reads("in_attention")
@@ -430,26 +459,25 @@ def save_if_any(*policies: Policy) -> Policy:
     for p in policies:
         check(p, "remat.policies.save_if_any")
 
-    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        decisions = [as_decision(p(ctx, op, *args, **kwargs), p, op) for p in policies]
-        saves = [d for d in decisions if d.save]
-        if saves:
-            return Decision.MUST_SAVE if any(d.must for d in saves) else Decision.PREFER_SAVE
-        offloads = [d for d in decisions if d.offload]
-        if offloads:  # stored somewhere beats recomputed
-            return next((d for d in offloads if d.must), offloads[0])
-        return (
-            Decision.MUST_RECOMPUTE if any(d.must for d in decisions) else Decision.PREFER_RECOMPUTE
-        )
-
-    policy.__name__ = f"save_if_any({', '.join(_name(p) for p in policies)})"
-    fields: frozenset[str] = frozenset()
+    fields: frozenset[str] | None = frozenset()
     for p in policies:
         part = _fields(p)
-        if part is None:
-            return policy
-        fields |= part
-    return _reads(*fields)(policy)
+        fields = None if fields is None or part is None else fields | part
+    name = f"save_if_any({', '.join(_name(p) for p in policies)})"
+    return _Built(name, fields, _any_saves, policies)
+
+
+def _any_saves(
+    policies: tuple[Policy, ...], ctx: OpContext, op: Any, *args: Any, **kwargs: Any
+) -> Decision:
+    decisions = [as_decision(p(ctx, op, *args, **kwargs), p, op) for p in policies]
+    saves = [d for d in decisions if d.save]
+    if saves:
+        return Decision.MUST_SAVE if any(d.must for d in saves) else Decision.PREFER_SAVE
+    offloads = [d for d in decisions if d.offload]
+    if offloads:  # stored somewhere beats recomputed
+        return next((d for d in offloads if d.must), offloads[0])
+    return Decision.MUST_RECOMPUTE if any(d.must for d in decisions) else Decision.PREFER_RECOMPUTE
 
 
 _OFFLOAD = {
@@ -470,11 +498,11 @@ def offload_everything(tier: str = "host") -> Policy:
     what is in flight; the cost is bandwidth."""
     decision = _offload_decision("offload_everything", tier)
 
-    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        return decision
+    return _Built(f"offload_everything({tier!r})", frozenset(), _always, decision)
 
-    policy.__name__ = f"offload_everything({tier!r})"
-    return _reads()(policy)
+
+def _always(decision: Decision, ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    return decision
 
 
 @_factory("offload_matmuls('host')")
@@ -483,11 +511,11 @@ def offload_matmuls(tier: str = "host") -> Policy:
     around them: backward replays no matmul, and keeps nothing on the device."""
     decision = _offload_decision("offload_matmuls", tier)
 
-    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        return decision if op in MATMULS else Decision.PREFER_RECOMPUTE
+    return _Built(f"offload_matmuls({tier!r})", frozenset(), _matmuls_to, decision)
 
-    policy.__name__ = f"offload_matmuls({tier!r})"
-    return _reads()(policy)
+
+def _matmuls_to(decision: Decision, ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    return decision if op in MATMULS else Decision.PREFER_RECOMPUTE
 
 
 @_factory("offload_larger_than(2**20, 'host')")
@@ -500,12 +528,15 @@ def offload_larger_than(nbytes: int, tier: str = "host") -> Policy:
         )
     decision = _offload_decision("offload_larger_than", tier)
 
-    def policy(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        large = ctx.output_bytes is None or ctx.output_bytes >= nbytes
-        return decision if large else Decision.PREFER_SAVE
+    name = f"offload_larger_than({nbytes}, {tier!r})"
+    return _Built(name, frozenset({"output_bytes"}), _larger_to, nbytes, decision)
 
-    policy.__name__ = f"offload_larger_than({nbytes}, {tier!r})"
-    return _reads("output_bytes")(policy)
+
+def _larger_to(
+    nbytes: int, decision: Decision, ctx: OpContext, op: Any, *args: Any, **kwargs: Any
+) -> Decision:
+    large = ctx.output_bytes is None or ctx.output_bytes >= nbytes
+    return decision if large else Decision.PREFER_SAVE
 
 
 @_factory("must(save_matmuls)")
@@ -513,12 +544,12 @@ def must(policy: Policy) -> Policy:
     """``policy`` with every ``PREFER_*`` made ``MUST_*``, so that outer regions cannot
     override it."""
     check(policy, "remat.policies.must")
-    strong = {d: Decision[d.name.replace("PREFER_", "MUST_")] for d in Decision if not d.must}
+    return _Built(f"must({_name(policy)})", _fields(policy), _strict, policy)
 
-    def strict(ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        decision = as_decision(policy(ctx, op, *args, **kwargs), policy, op)
-        return strong.get(decision, decision)
 
-    strict.__name__ = f"must({_name(policy)})"
-    fields = _fields(policy)
-    return strict if fields is None else _reads(*fields)(strict)
+_STRONG = {d: Decision[d.name.replace("PREFER_", "MUST_")] for d in Decision if not d.must}
+
+
+def _strict(policy: Policy, ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    decision = as_decision(policy(ctx, op, *args, **kwargs), policy, op)
+    return _STRONG.get(decision, decision)
