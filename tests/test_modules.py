@@ -1150,3 +1150,42 @@ def test_fairscale_checkpoint_wrapper_offload_to_cpu_positional() -> None:
     model = remat.checkpoint_wrapper(copy.deepcopy(plain), True)
     report = remat.explain(model, torch.randn(BATCH, D, requires_grad=True))
     assert report.rows[0].how == "not offloaded: already in host memory"
+
+
+@pytest.mark.parametrize("policy", [None, remat.policies.save_matmuls], ids=["region", "graph"])
+def test_user_hooks_run_as_documented(policy: Any) -> None:
+    """Hooks on the wrapped module run once per step; hooks on modules inside it run again in
+    the region engine's recompute (a pruning or weight-norm pre-hook is part of the forward),
+    where ``remat.is_recomputing()`` tells them apart; the graph engine replays ATen ops and
+    runs none. A backward hook sees the plain run's gradient."""
+
+    def run(wrap: bool) -> tuple[dict[str, list[bool]], list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Dropout(0.3), nn.Linear(D, D))
+        calls: dict[str, list[bool]] = {"pre": [], "outer": [], "inner": [], "backward": []}
+        grad_out: list[torch.Tensor] = []
+        model.register_forward_pre_hook(lambda m, a: calls["pre"].append(remat.is_recomputing()))
+        model.register_forward_hook(lambda m, a, o: calls["outer"].append(remat.is_recomputing()))
+        model[0].register_forward_hook(
+            lambda m, a, o: calls["inner"].append(remat.is_recomputing())
+        )
+
+        def backward_hook(m: nn.Module, grad_input: Any, grad_output: Any) -> None:
+            calls["backward"].append(remat.is_recomputing())
+            grad_out.append(grad_output[0].clone())
+
+        model.register_full_backward_hook(backward_hook)
+        if wrap:
+            remat.checkpoint_wrapper(model, policy=policy)
+        x = torch.randn(BATCH, D, requires_grad=True)
+        torch.manual_seed(1)
+        model(x).square().sum().backward()
+        return calls, grad_out, [x.grad, *(p.grad for p in model.parameters())]  # type: ignore[list-item]
+
+    plain, plain_grad_out, plain_grads = run(wrap=False)
+    calls, grad_out, grads = run(wrap=True)
+    assert plain == {"pre": [False], "outer": [False], "inner": [False], "backward": [False]}
+    recompute = [True] if policy is None else []
+    assert calls == {**plain, "inner": [False, *recompute]}
+    assert all(torch.equal(a, b) for a, b in zip(plain_grad_out, grad_out, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads, strict=True))
