@@ -355,6 +355,13 @@ def test_malformed_budgets_raise_clear_errors(budget: Any) -> None:
         remat.plan(model, x, budget=budget)
 
 
+@pytest.mark.parametrize("segments", ["no", 0, None])
+def test_segments_must_be_a_bool(segments: Any) -> None:
+    model, x, _, _ = _profiled_gpt()
+    with pytest.raises(remat.RematError, match=r"segments must be True or False, got"):
+        remat.plan(model, x, segments=segments)
+
+
 def test_a_loss_that_cannot_be_planned_raises_a_clear_error() -> None:
     model, x, y, _ = _profiled_gpt()
     with pytest.raises(remat.RematError, match=r"one-element tensor, got a tensor of shape \(2"):

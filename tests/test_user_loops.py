@@ -171,9 +171,11 @@ def gloo_group(rank: int, world: int, port: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def remat_model(kind: str, rank: int) -> tuple[nn.Sequential, remat.Plan | None]:
+def remat_model(
+    kind: str, rank: int, segments: bool = True
+) -> tuple[nn.Sequential, remat.Plan | None]:
     """``ddp_model()`` under one of ``DDP_KINDS``, set up before any wrapping; a plan is made
-    on this rank's first batch."""
+    on this rank's first batch, with ``segments`` or without."""
     model = ddp_model()
     if kind == "apply":
         remat.apply(model, Block)
@@ -188,6 +190,7 @@ def remat_model(kind: str, rank: int) -> tuple[nn.Sequential, remat.Plan | None]
         budget="70%",
         loss_fn=lambda out: F.cross_entropy(out, labels),
         repeats=0,
+        segments=segments,
     )
     return model, plan
 
@@ -263,6 +266,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import warnings
 
     from torch.distributed.fsdp import fully_shard
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     from remat.planning._plan import segments
 
@@ -288,36 +292,47 @@ def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         expected = loop(ddp_model())
         results: dict[str, Any] = {}
         for kind in DDP_KINDS:
-            model, plan = remat_model(kind, rank)
+            model, plan = remat_model(kind, rank, segments=False)
             if plan is not None:
                 results["planned_blocks"] = sum(b["option"] != "plain" for b in plan.blocks)
                 results["segments"] = len(list(segments(plan.blocks)))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 got = loop(model)
-            results[f"{kind}_unlinked"] = sum(
-                "previous block's output" in str(w.message) for w in caught
-            )
+            results[f"{kind}_warnings"] = [
+                str(w.message) for w in caught if "remat" in str(w.message)
+            ]
             results[kind] = len(got) == len(expected) and all(
                 torch.equal(a, b) for a, b in zip(expected, got, strict=True)
             )
+        # A plan with segments, sharded after: refused at the first forward, nothing left open.
+        model, plan = remat_model("fit", rank)
+        assert plan is not None
+        results["refused_segments"] = len(list(segments(plan.blocks)))
+        try:
+            loop(model)
+        except remat.RematError as e:
+            results["refused"] = "segments=False" in str(e) and "fully_shard" in str(e)
+        results["modes_left"] = len(_get_current_dispatch_mode_stack())
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
 def test_user_loop_under_fsdp2_equals_plain(tmp_path: Path) -> None:
     """Two processes, ``fully_shard`` over gloo on each block and the root, each rank its own
-    batches and dropout draws: under each remat mechanism set up before sharding (a planned
-    model too) the losses, the full gradients and the parameters equal the plain sharded
-    model's, bit for bit. FSDP2 hands each block an alias of the previous block's output, so a
-    plan's segment runs block by block there, and says so (exact, with more memory)."""
+    batches and dropout draws: under each remat mechanism set up before sharding (a model
+    planned with ``segments=False`` too) the losses, the full gradients and the parameters
+    equal the plain sharded model's, bit for bit, with no warning. A plan with segments is
+    refused at the first forward once its blocks are sharded: FSDP2 gathers a block's
+    parameters for that block alone, and a segment's recompute runs the blocks before it."""
     for results in ranks_results(_fsdp2_worker, tmp_path):
         assert results.pop("planned_blocks") > 0
-        segments = results.pop("segments")
-        assert results.pop("fit_unlinked") == segments  # once per segment, then silent
+        assert results.pop("refused_segments") > 0
         assert results == {
             **dict.fromkeys(DDP_KINDS, True),
-            "apply_unlinked": 0,
-            "graph_policy_unlinked": 0,
+            **{f"{kind}_warnings": [] for kind in DDP_KINDS},
+            "segments": 0,
+            "refused": True,
+            "modes_left": 0,
         }
 
 

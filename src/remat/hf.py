@@ -109,7 +109,7 @@ def enable(
             :func:`layer_classes`.
         **options: options of :func:`remat.apply` (``offload_to_cpu``, ``determinism_check``,
             ...); with ``budget``, options of :func:`remat.fit` (``tiers``, ``repeats``,
-            ``points``).
+            ``points``, ``segments``).
 
     Key/value caches are dropped in training, as Hugging Face does for its gradient
     checkpointing (see NOTE [ Key/value caches in training ]). Undo with :func:`disable`.

@@ -394,8 +394,9 @@ def apply_segment(
             block.forward = LinkedForward(block, chain, position)
         return chain
     segment = Segment(tier)
-    for block in blocks:
-        block.forward = SegmentForward(block, block.__dict__.get("forward"))
+    for path, block in zip(paths, blocks, strict=True):
+        label = _label(path, paths)
+        block.forward = SegmentForward(block, block.__dict__.get("forward"), label)
     blocks[0].register_forward_pre_hook(segment.enter, with_kwargs=True)
     for block in blocks[:-1]:
         block.register_forward_hook(segment.exit_on_error, always_call=True)
@@ -485,14 +486,16 @@ class SegmentForward:
     (see [ Segments on the model ]). Holds the block weakly, as ``checkpoint_wrapper``'s
     forward does."""
 
-    __slots__ = ("module_ref", "previous")
+    __slots__ = ("label", "module_ref", "previous")
 
-    def __init__(self, module: nn.Module, previous: Any = None) -> None:
+    def __init__(self, module: nn.Module, previous: Any = None, label: str = "") -> None:
         self.module_ref = weakref.ref(module)
         self.previous = previous
+        self.label = label  # "block B of the plan's segment A..C", for errors
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = _block(self.module_ref)
+        refuse_sharded(module, self.label)
         if torch.compiler.is_compiling():  # [ Regions under torch.compile ] 4 in _compile.py
             from .._compile import lower
 
@@ -508,10 +511,39 @@ class SegmentForward:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SegmentForward:
         copied = _copied_block(self.module_ref, memo)
-        return SegmentForward(copied, copy.deepcopy(self.previous, memo))
+        return SegmentForward(copied, copy.deepcopy(self.previous, memo), self.label)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (SegmentForward, (self.module_ref(), self.previous))
+        return (SegmentForward, (self.module_ref(), self.previous, self.label))
+
+
+def _label(path: str, paths: list[str]) -> str:
+    return f"block {path} of the plan's segment {paths[0]}..{paths[-1]}"
+
+
+def _fsdp_module_class() -> type | None:
+    """FSDP2's ``FSDPModule``, if ``fully_shard`` was imported (it is where FSDP2 is used)."""
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        found = getattr(sys.modules.get(name), "FSDPModule", None)
+        if isinstance(found, type):
+            return found
+    return None
+
+
+def refuse_sharded(module: nn.Module, label: str) -> None:
+    """Raise if ``fully_shard`` (FSDP2) shards ``module`` or a module in it: FSDP2 gathers a
+    block's parameters for that block's own forward and backward only, and a segment's
+    recompute runs the blocks before the one whose backward runs (with their parameters
+    sharded, it fails in backward, or would be wrong)."""
+    fsdp = _fsdp_module_class()
+    if fsdp is None or not any(isinstance(m, fsdp) for m in module.modules()):
+        return
+    raise RematError(
+        f"remat: {label} is sharded by fully_shard (FSDP2). FSDP2 gathers a block's parameters "
+        "for that block's forward and backward only, and a segment's recompute runs the blocks "
+        "before it too. Plan the model without segments before sharding it: "
+        "remat.plan(..., segments=False) or remat.fit(..., segments=False)."
+    )
 
 
 class Linked:
@@ -551,6 +583,7 @@ class LinkedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = _block(self.module_ref)
+        refuse_sharded(module, _label(self.chain.paths[self.position], self.chain.paths))
         if torch.compiler.is_compiling():  # [ Regions under torch.compile ] 4 in _compile.py
             lowered = functools.partial(type(module).forward, module)
             return self.chain.calls.run(self.position, lowered, args, kwargs)

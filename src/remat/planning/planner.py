@@ -739,6 +739,7 @@ def profile_model(
     tiers: Sequence[str] | None = None,
     points: int = 8,
     repeats: int = 5,
+    segments: bool = True,
 ) -> Profiled:
     """Measure ``model``'s plain step and each block type's options (see ``cost.py``)."""
     if not isinstance(model, nn.Module):
@@ -770,7 +771,8 @@ def profile_model(
         options: dict[str, list[Option]] = {}
         bandwidths: dict[str, float] = {}
         solve_seconds = 0.0
-        longest = {t: min(n, MAX_SEGMENT) for t, n in _runs(found.types, found.chained).items()}
+        most = MAX_SEGMENT if segments else 1
+        longest = {t: min(n, most) for t, n in _runs(found.types, found.chained).items()}
         runs = _linked_runs(paths, found.linked)
         # Segments of a type link where a block of it is followed by one its chain covers,
         # called with its output.
@@ -1059,6 +1061,7 @@ def plan(
     tiers: Sequence[str] | None = None,
     points: int = 8,
     repeats: int = 5,
+    segments: bool = True,
 ) -> Plan:
     """The fastest plan whose predicted peak activation memory fits ``budget``, checked by one
     measured step (see :func:`solve_measured`).
@@ -1083,6 +1086,10 @@ def plan(
             host memory, for a model on an accelerator, which the planner does not measure yet).
         points: caps swept per block type for the per-op options.
         repeats: timing repeats (medians) per measured option.
+        segments: whether the plan may recompute consecutive blocks as one segment. Pass
+            ``False`` for a model that ``fully_shard`` (FSDP2) shards block by block after
+            planning: FSDP2 gathers a block's parameters for that block's own forward and
+            backward, and a segment's recompute runs the blocks before it too.
 
     Called inside ``torch.autocast``, it plans a loop that runs each forward and its loss under
     those settings and backward outside (see NOTE [ Planning under autocast ] in
@@ -1101,8 +1108,17 @@ def plan(
         refuse_set_up(
             "remat.plan", model, "the profile would measure remat's step as the plain one"
         )
+    if not isinstance(segments, bool):
+        raise RematError(f"remat.plan: segments must be True or False, got {segments!r}.")
     profiled = profile_model(
-        model, example_inputs, loss_fn, blocks=blocks, tiers=tiers, points=points, repeats=repeats
+        model,
+        example_inputs,
+        loss_fn,
+        blocks=blocks,
+        tiers=tiers,
+        points=points,
+        repeats=repeats,
+        segments=segments,
     )
     return solve_measured(profiled, budget, model, example_inputs, loss_fn)
 
