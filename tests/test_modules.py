@@ -1189,3 +1189,61 @@ def test_user_hooks_run_as_documented(policy: Any) -> None:
     assert calls == {**plain, "inner": [False, *recompute]}
     assert all(torch.equal(a, b) for a, b in zip(plain_grad_out, grad_out, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads, strict=True))
+
+
+class _Counted(nn.Linear):
+    """A linear layer that notes each call of its forward, and whether it was a recompute."""
+
+    def __init__(self) -> None:
+        super().__init__(D, D)
+        self.calls: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(remat.is_recomputing())
+        return super().forward(x)
+
+
+class _Layered(nn.Module):
+    """Its layers in a ``ModuleList`` and two heads in a ``ModuleDict``: containers that the
+    model's ``forward`` never calls, only the modules in them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Counted() for _ in range(3)])
+        self.heads = nn.ModuleDict({"a": nn.Linear(D, 2), "b": nn.Tanh()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.heads["a"](x)
+
+
+@pytest.mark.parametrize(
+    ("where", "hint"),
+    [
+        (nn.ModuleList, r"'layers', a ModuleList.*\(remat\.apply\(model, _Counted\)\)"),
+        (["layers"], r"'layers', a ModuleList"),
+        (["heads", "layers.0"], r"'heads', a ModuleDict.*\['heads\.a', 'heads\.b'\]"),
+    ],
+)
+def test_a_container_that_is_never_called_is_refused(where: Any, hint: str) -> None:
+    """Wrapping a ``ModuleList`` would checkpoint nothing, silently: its model calls the
+    layers in it, never the list. The error names it and what to select instead; nothing is
+    wrapped."""
+    model = _Layered()
+    with pytest.raises(RematError, match=rf"^remat\.apply: where=.* selects {hint}"):
+        remat.apply(model, where)
+    assert not any(is_wrapped(m) for m in model.modules())
+    with pytest.raises(RematError, match=r"ModuleList has no forward: it is never called"):
+        remat.checkpoint_wrapper(model.layers)
+
+
+def test_a_predicate_that_reaches_a_container_wraps_the_modules_in_it() -> None:
+    """A predicate that matches the list and its layers wraps the layers, and each of them
+    is recomputed in backward, once."""
+    model = _Layered()
+    remat.apply(model, lambda name, module: name.startswith("layers"))
+    wrapped = [name for name, m in model.named_modules() if is_wrapped(m)]
+    assert wrapped == ["layers.0", "layers.1", "layers.2"]
+    model(torch.randn(BATCH, D, requires_grad=True)).sum().backward()
+    assert [layer.calls for layer in model.layers] == [[False, True]] * 3

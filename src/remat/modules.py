@@ -131,6 +131,12 @@ def checkpoint_wrapper(
             f"remat.checkpoint_wrapper: offload_to_cpu must be True or False, got "
             f"{offload_to_cpu!r}."
         )
+    if not _callable(module):
+        raise RematError(
+            f"remat.checkpoint_wrapper: this {type(module).__name__} has no forward: it is never "
+            f"called, its model calls the modules in it, so wrapping it would checkpoint "
+            f"nothing. Wrap those modules instead{_children_hint(module)}."
+        )
     parsed = RegionOptions.parse("remat.checkpoint_wrapper", options)
     current = module.__dict__.get("forward")
     if isinstance(current, _CheckpointedForward):
@@ -350,11 +356,30 @@ def apply(
     )
     match = _matcher(where, model)
     selected: list[tuple[str, nn.Module]] = []
+    containers: list[tuple[str, nn.Module]] = []  # matched, but never called themselves
     for name, module in model.named_modules():
         if any(_inside(name, outer) for outer, _ in selected):
             continue
         if match(name, module):
-            selected.append((name, module))
+            if _callable(module):
+                selected.append((name, module))
+            else:
+                containers.append((name, module))
+    # A container the selection reaches through the modules in it (a predicate that matches
+    # them too) is fine; one it does not would be a region that never runs.
+    empty = [
+        (name, module)
+        for name, module in containers
+        if not any(_inside(inner, name) for inner, _ in selected)
+    ]
+    if empty:
+        name, module = empty[0]
+        raise RematError(
+            f"remat.apply: where={_describe(where)} selects {name or '(the model)'!r}, a "
+            f"{type(module).__name__}, which has no forward: it is never called, its model "
+            f"calls the modules in it, so checkpointing it would save nothing. Select those "
+            f"modules instead{_children_hint(module, name)}."
+        )
     if not selected:
         raise RematError(
             f"remat.apply: where={_describe(where)} matches no module of "
@@ -446,6 +471,26 @@ def _mode_options(
             "remat.apply: mode='selective' with a number of layers is every=N; pass one of them."
         )
     return layers, options
+
+
+def _callable(module: nn.Module) -> bool:
+    """Whether ``module``'s class has a ``forward`` (``nn.ModuleList`` and ``nn.ModuleDict``
+    do not: a model calls the modules in them)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _children_hint(module: nn.Module, name: str = "") -> str:
+    """``: remat.apply(model, Block)`` when ``module``'s children share a class, else their
+    qualified names."""
+    children = list(module.named_children())
+    if not children:
+        return ""
+    classes = {type(child) for _, child in children}
+    if len(classes) == 1:
+        return f" (remat.apply(model, {next(iter(classes)).__name__}))"
+    prefix = f"{name}." if name else ""
+    names = [f"{prefix}{child}" for child, _ in children[:3]]
+    return f" (names such as {names})"
 
 
 def _inside(name: str, outer: str) -> bool:
