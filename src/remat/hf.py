@@ -9,15 +9,16 @@ model carries everything this module reads.
 
 NOTE [ Key/value caches in training ]
 
-A layer given a key/value cache (``use_cache=True``, ``past_key_values``, ``layer_past``)
-appends its keys and values to that cache object in forward. The object is Python state, not a
+A layer given a key/value cache (``use_cache=True``, ``cache`` as transformers 5.24 names it,
+``past_key_values`` before it, ``layer_past``) appends its keys and values to that cache object
+in forward. The object is Python state, not a
 tensor, so remat's write guard cannot keep a recompute from appending a second time; the
 recompute would then attend over twice the keys and rebuild tensors of other shapes (remat's
 determinism check raises :class:`~remat.CheckpointError`). Hugging Face's own gradient
 checkpointing drops the cache in each layer while training, with a warning; ``enable`` does the
 same, through a forward pre-hook on each layer: while the layer trains with gradients enabled,
-``use_cache`` becomes ``False`` and ``past_key_values`` / ``layer_past`` become ``None``, and a
-warning is logged once per layer class (logger ``remat.hf``). In evaluation and under
+``use_cache`` becomes ``False`` and the cache argument becomes ``None``, and a warning is
+logged once per layer class (logger ``remat.hf``). In evaluation and under
 ``torch.no_grad()`` (generation) the cache passes through untouched. The model's config is not
 changed.
 """
@@ -42,7 +43,7 @@ __all__ = ["disable", "enable", "layer_classes"]
 
 logger = logging.getLogger("remat.hf")
 
-_CACHE_ARGUMENTS = ("past_key_values", "layer_past")
+_CACHE_ARGUMENTS = ("past_key_values", "layer_past", "cache")
 _warned: set[str] = set()
 
 
@@ -245,8 +246,8 @@ def cache_arguments(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[inspect.BoundArguments, list[str]] | None:
     """The key/value cache arguments of a call of ``module`` that are on (``use_cache`` true,
-    ``past_key_values`` or ``layer_past`` given), with the call's bound arguments; ``None`` when
-    there are none, or when the call does not bind to ``forward``'s signature."""
+    ``cache``, ``past_key_values`` or ``layer_past`` given), with the call's bound arguments;
+    ``None`` when there are none, or when the call does not bind to ``forward``'s signature."""
     signature = _signature(type(module))
     if not any(name in signature.parameters for name in ("use_cache", *_CACHE_ARGUMENTS)):
         return None
