@@ -139,22 +139,6 @@ def test_bench_plans_at_each_torch_peak(tmp_path: Path, capsys: pytest.CaptureFi
     assert f"(control +-{found['control_spread']:.3f}): {found['verdict']}" in out
 
 
-def _native_bf16() -> bool:
-    """Whether this CPU has AVX512-BF16, where oneDNN's bfloat16 kernels differ (see below)."""
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-# Known gap, docs/planner.md "Limits today": with native bfloat16 kernels the all-region plan's
-# recompute allocates scratch memory the prediction misses (187,912 predicted, 198,400
-# measured). Strict: where it starts to pass, this mark fails and must go.
-@pytest.mark.xfail(
-    _native_bf16(),
-    reason="bf16 region recompute's oneDNN scratch memory is not predicted on AVX512-BF16 CPUs",
-    strict=True,
-)
 def test_bench_under_autocast_runs_and_plans_the_mixed_precision_loop(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -418,3 +418,68 @@ def test_casts_cached_to_the_forward_end_count_there_and_not_in_backward() -> No
     assert chain_peak(costs, [plain, region]) == 250
     assert chain_dp(costs, [[plain, region]] * 2, 160) == [1, 1]
     assert chain_dp(dataclasses.replace(costs, forward_head=61), [[plain, region]] * 2, 160) is None
+
+
+def test_a_forward_peak_counts_above_what_the_blocks_before_keep_and_cache() -> None:
+    # Two blocks starting from 8 bytes. The plain block keeps 100 and peaks at 100 in forward;
+    # the region keeps 10, caches 40 (casts to the forward's end) and peaks at 90 in forward
+    # (its activations live until it returns). Head 20 to the forward's end, backward 150.
+    costs = ChainCosts(head=20, before=0, tail=0, forward_head=20, starts=(8, 8))
+    plain = ChainOption(kept=100, backward=120, seconds=0.0, forward=100)
+    region = ChainOption(kept=10, backward=150, seconds=1.0, cached=40, forward=90)
+    # Without the forwards: forward's end 20 + 20 + 80 = 120, backwards 150 and 160.
+    assert chain_peak(dataclasses.replace(costs, starts=()), [region, region]) == 160
+    # The second region's forward: 8 + 10 + 40 (the first one's kept and cached) + 90 = 148;
+    # with a forward of 110 it is the peak, 168.
+    assert chain_peak(costs, [region, region]) == 160
+    wide = dataclasses.replace(region, forward=110)
+    assert chain_peak(costs, [wide, wide]) == 168
+    # plain first: the region's forward at 8 + 100 + 110 = 218 (its backward: 100 + 150).
+    assert chain_peak(costs, [plain, wide]) == 250
+    assert chain_peak(dataclasses.replace(costs, starts=(8, 200)), [plain, wide]) == 410
+    # Every solver sees it: at 167 nothing fits, at 168 two regions do.
+    for budget, expected in ((167, None), (168, [1, 1])):
+        assert chain_brute_force(costs, [[plain, wide]] * 2, budget) == (
+            None if expected is None else 2.0
+        )
+        assert chain_solve(costs, [[plain, wide]] * 2, budget).picks == expected
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["dp", "casts-cached"])
+def test_chain_solvers_with_forward_peaks_match_brute_force(cached: bool) -> None:
+    # Options whose forward peaks above what they keep (a region's activations, until it
+    # returns), each block's forward starting from its own level: the DP (no casts cached) and
+    # the raised DP with the MILP (casts cached) find brute force's optimum.
+    cases = 0
+    for seed in range(16):
+        rng = random.Random(seed)
+        costs, blocks = (_random_chain_with_segments if seed % 2 else _random_chain)(rng)
+        costs = dataclasses.replace(
+            costs,
+            forward_head=costs.head - rng.randrange(0, 200),
+            starts=tuple(rng.randrange(0, 300) for _ in blocks),
+        )
+        blocks = [
+            [
+                dataclasses.replace(
+                    o,
+                    forward=o.kept + rng.randrange(0, 1200),
+                    cached=rng.choice([0, 100, 300]) if cached and k > 0 else 0,
+                )
+                for k, o in enumerate(opts)
+            ]
+            for opts in blocks
+        ]
+        for budget in (1500, 2000, 2500, 3000, 4000):
+            expected = chain_brute_force(costs, blocks, budget)
+            picks, optimal = chain_solve(costs, blocks, budget)
+            assert optimal
+            if expected is None:
+                assert picks is None
+                continue
+            cases += 1
+            assert picks is not None
+            options = chosen(blocks, picks)
+            assert chain_peak(costs, options) <= budget
+            assert sum(o.seconds for o in options) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert cases >= 30

@@ -285,6 +285,7 @@ class PlainStep:
     peak: int
     kept: list[int]  # each block's kept bytes in the chain
     backward_peaks: list[int]  # each block's backward peak, above the step's start
+    forward_peaks: list[int]  # each block's forward peak, above the step's start
     prefix: list[int]  # live bytes before each block's forward, above the first one's
     head: int  # the peak before the last block's backward starts
     # The peak to the end of the forward and the loss, inside the loop's autocast (where its
@@ -378,6 +379,7 @@ def measure_plain_step(
         peak=line.peak,
         kept=kept,
         backward_peaks=backward_peaks,
+        forward_peaks=[line.peaks[f"fs{i}"] for i in range(n)],
         prefix=prefix,
         head=head,
         forward_head=min(forward_head, head),

@@ -24,10 +24,11 @@ there), but how many are still pending at any moment of that forward depends on 
 the worst case everything the block offloads is in memory at once, as if kept. So an
 offloading option's ``forward`` peak is taken as at least its twin's that keeps instead (the
 plain block, the region, the segment, the same per-op choice keeping what it offloads), and
-the chain counts it like a backward peak at that block. In backward, the tier reads a few
-storages ahead (``Store.prefetch``), which belong to the blocks before: an offloading option's
-backward peak counts its own largest ones that many times over (``ahead``). The plan never
-relies on the disk being fast to fit its budget; only its time does.
+the chain counts it at that block's forward (see [ The chain DP ] in ``solve.py``). In
+backward, the tier reads a few storages ahead (``Store.prefetch``), which belong to the blocks
+before: an offloading option's backward peak counts its own largest ones that many times over
+(``ahead``). The plan never relies on the disk being fast to fit its budget; only its time
+does.
 """
 
 from __future__ import annotations
@@ -546,9 +547,9 @@ def undominated(options: list[Option]) -> list[Option]:
 
 
 def _chain_backward(o: Option) -> int:
-    """The backward peak the chain counts: for an option that offloads, at least its forward
-    peak, and the tensors read ahead for the blocks before it (see [ Offloaded options ])."""
-    return max(o.backward + o.ahead, o.forward) if o.offloads else o.backward
+    """The backward peak the chain counts: for an option that offloads, with the tensors read
+    ahead for the blocks before it (see [ Offloaded options ])."""
+    return o.backward + o.ahead
 
 
 def _chain_seconds(o: Option) -> float:
@@ -599,6 +600,12 @@ def _chain(
         tail=plain.tail,
         gaps=gaps,
         forward_head=plain.forward_head - sum(plain.kept),
+        # The level each block's forward starts from, as the gaps are made: its forward peak
+        # on the plain step, less the plain block's own alone and the blocks' kept before it.
+        starts=tuple(
+            plain.forward_peaks[i] - base[t].forward - sum(plain.kept[:i])
+            for i, t in enumerate(types)
+        ),
     )
     chain: list[list[ChainOption]] = []
     names: list[list[str]] = []
@@ -622,6 +629,7 @@ def _chain(
                     left=max(o.left - o.span * base[t].left, 0),
                     span=o.span,
                     cached=max(o.cached - o.span * base[t].cached, 0),
+                    forward=o.forward,
                 )
                 for o in here
             ]
@@ -889,6 +897,7 @@ def solve(
                 "before": costs.before,
                 "tail": costs.tail,
                 "gaps": list(costs.gaps),
+                "starts": list(costs.starts),
             },
         },
         tiers=profiled.tiers,

@@ -32,10 +32,16 @@ Block i with option o keeps ``K[i][o]`` bytes after its forward, needs ``B[o]`` 
 the level it started at during its backward, and leaves ``L[o]`` bytes held after its backward
 until the whole backward ends (a graph-engine region's kept results live as long as its
 records). The predicted peak is
-``max(H + sum_j K_j, max_i (E + G_i + sum_{j<i} K_j + B_i + sum_{j>i} L_j), tail + sum_j L_j)``
+``max(H + sum_j K_j, max_i (E + G_i + sum_{j<i} K_j + B_i + sum_{j>i} L_j), tail + sum_j L_j,
+max_i (F_i + sum_{j<i} (K_j + C_j) + A_i))``
 (``G_i``: what is live besides the blocks' kept bytes at block i's backward, measured on the
 plain step: layers between the blocks, skip tensors, gradients; ``E`` is then zero)
-(see ``cost.py``). A DP over blocks in forward order keeps two numbers as state: the prefix
+(see ``cost.py``). The last term is block i's forward: ``A_i`` bytes above the level it starts
+from, ``F_i`` plus what the blocks before it keep and leave in autocast's cache (``C_j``, see
+[ Casts cached to the forward's end ]), with ``F_i`` measured on the plain step as ``G_i`` is. A
+region's forward peaks above what it keeps (its activations live until it returns), so under
+autocast, where the casts of the regions before it are still cached, the last region's forward
+can be the step's peak. A DP over blocks in forward order keeps two numbers as state: the prefix
 sum of ``K``, and a reservation ``R`` for the ``L`` of the blocks still to come (any ``R`` at
 the start, each block takes its ``L`` out of it, never below zero), so every constraint reads
 the state. Both axes live on grids (1/1024 and 1/64 of the budget by default), rounded down,
@@ -277,6 +283,8 @@ class ChainOption:
     # bytes autocast's cache holds from its forward to the forward's end, beyond plain's (see
     # [ Casts cached to the forward's end ])
     cached: int = 0
+    # bytes needed during its forward above the level before it (see [ The chain DP ])
+    forward: int = 0
 
 
 @dataclass(frozen=True)
@@ -293,10 +301,17 @@ class ChainCosts:
     # casts of blocks that do not keep them (see [ Casts cached to the forward's end ]);
     # None: all of it.
     forward_head: int | None = None
+    # Per block: the level its forward starts from besides the kept and cached bytes of the
+    # blocks before it (``F_i`` in [ The chain DP ]); none: forwards are not counted.
+    starts: tuple[int, ...] = ()
 
     def end(self, cached: int) -> int:
         """What the head needs at the forward's end with ``cached`` bytes in autocast's cache."""
         return (self.head if self.forward_head is None else self.forward_head) + cached
+
+    def start(self, i: int) -> int | None:
+        """``F_i``, or None when the forwards are not counted."""
+        return self.starts[i] if i < len(self.starts) else None
 
     def gap(self, i: int, span: int = 1) -> int:
         """The largest ``G`` of blocks ``i`` to ``i + span - 1``."""
@@ -310,16 +325,19 @@ def chosen(blocks: Sequence[Sequence[ChainOption]], picks: Sequence[int]) -> lis
 
 def chain_peak(costs: ChainCosts, options: Sequence[ChainOption]) -> int:
     """The predicted peak of one assignment's options in forward order (see [ The chain DP ])."""
-    prefix = 0
+    prefix = cached = 0
     left = sum(o.left for o in options)
     peak = costs.tail + left
     i = 0
     for o in options:
         left -= o.left
         peak = max(peak, costs.before + costs.gap(i, o.span) + prefix + o.backward + left)
+        start = costs.start(i)
+        if start is not None:
+            peak = max(peak, start + prefix + cached + o.forward)
         prefix += o.kept
+        cached += o.cached
         i += o.span
-    cached = sum(o.cached for o in options)
     return max(peak, costs.head + prefix, costs.end(cached) + prefix)
 
 
@@ -391,9 +409,11 @@ def chain_solve(
     # casts a few grid units wide sends its answers to the retries (1-7 s a budget on the
     # medium GPT's 8 blocks). Such a chain is solved in two steps:
     #
-    # 1. the DP on heads raised to ``H_f`` plus ``c``, for ``c`` in ``RAISES`` even steps from
-    #    zero to the most any assignment could cache, and, where an answer caches more than
-    #    its ``c``, again at what it caches; the fastest answer that fits the exact model is
+    # 1. the DP on heads raised to ``H_f`` plus ``c``, and every forward's start raised by
+    #    ``c`` (what the blocks before it cache is at most what all cache), for ``c`` in
+    #    ``RAISES`` even steps from zero to the most any assignment could cache, and, where an
+    #    answer caches more than its ``c``, again at what it caches; the fastest answer that
+    #    fits the exact model is
     #    kept. It is fast and often the fastest there is, not always: on the medium GPT in
     #    bfloat16 with the disk tier, it found no plan at 38 MiB where one fits, and at 60 MiB
     #    one 10% slower in recompute than the best;
@@ -438,7 +458,11 @@ def _raised_dp(
         raised = min(raises - tried)
         tried.add(raised)
         head = max(costs.head, costs.end(raised))
-        picks = _chain_dp(dataclasses.replace(costs, head=head), bare, budget, grid, rgrid)
+        # What the blocks before a forward cache is at most what all of them cache.
+        starts = tuple(s + raised for s in costs.starts)
+        picks = _chain_dp(
+            dataclasses.replace(costs, head=head, starts=starts), bare, budget, grid, rgrid
+        )
         if picks is None:  # a larger raise only asks for more
             break
         options = chosen(blocks, picks)
@@ -471,7 +495,7 @@ def _chain_milp(
 
     n = len(blocks)
     items = [(i, k) for i, opts in enumerate(blocks) for k, o in enumerate(opts) if i + o.span <= n]
-    m, width = len(items), len(items) + 2 * (n + 1)
+    m, width = len(items), len(items) + 3 * (n + 1)
     seconds = [blocks[i][k].seconds for i, k in items]
     cost = np.zeros(width)
     cost[:m] = seconds
@@ -521,13 +545,15 @@ def _chain_rows(
 
     Columns: a binary ``x`` per option (``items``: block ``i``, option ``o``), then per block
     boundary ``b`` continuous ``P_b`` (the kept bytes of the options that end by ``b``), then
-    ``S_b`` (what the options that start at ``b`` or later leave held after their backward).
-    Every block is covered by exactly one option; the forward's end reads ``H + P_n`` and
-    ``H_f + P_n + sum C x``, the tail ``tail + S_0``, and option ``(i, o)``'s backward, where
-    it is chosen, ``E + G + P_i + B_o + S_{i + span}``, by a big-M row that holds for every
-    value the sums can take when it is not. Bytes are in units of ``target``."""
+    ``S_b`` (what the options that start at ``b`` or later leave held after their backward),
+    then ``Q_b`` (the cached bytes of the options that end by ``b``). Every block is covered by
+    exactly one option; the forward's end reads ``H + P_n`` and ``H_f + P_n + Q_n``, the tail
+    ``tail + S_0``, and option ``(i, o)``, where it is chosen, its backward
+    ``E + G + P_i + B_o + S_{i + span}`` and its forward ``F_i + P_i + Q_i + A_o``, each by a
+    big-M row that holds for every value the sums can take when it is not. Bytes are in units
+    of ``target``."""
     n, m = len(blocks), len(items)
-    p0, s0 = m, m + n + 1
+    p0, s0, q0 = m, m + n + 1, m + 2 * (n + 1)
     scale = float(target)
     chosen_at = [(c, i, blocks[i][k]) for c, (i, k) in enumerate(items)]
     rows: list[tuple[dict[int, float], float, float]] = [
@@ -542,17 +568,29 @@ def _chain_rows(
     for b in range(n):  # S_b = S_{b+1} + left of the options starting at b
         starting = {c: -o.left / scale for c, i, o in chosen_at if i == b}
         rows.append(({s0 + b: 1.0, s0 + b + 1: -1.0, **starting}, 0.0, 0.0))
-    cached = {c: o.cached / scale for c, _, o in chosen_at}
+    rows.append(({q0: 1.0}, 0.0, 0.0))
+    for b in range(1, n + 1):  # Q_b = Q_{b-1} + cached of the options ending at b
+        ending = {c: -o.cached / scale for c, i, o in chosen_at if i + o.span == b}
+        rows.append(({q0 + b: 1.0, q0 + b - 1: -1.0, **ending}, 0.0, 0.0))
     rows.append(({p0 + n: 1.0}, -math.inf, (target - costs.head) / scale))
-    rows.append(({p0 + n: 1.0, **cached}, -math.inf, (target - costs.end(0)) / scale))
+    rows.append(({p0 + n: 1.0, q0 + n: 1.0}, -math.inf, (target - costs.end(0)) / scale))
     rows.append(({s0: 1.0}, -math.inf, (target - costs.tail) / scale))
-    most = sum(max(o.kept for o in opts) + max(o.left for o in opts) for opts in blocks)
-    for c, i, o in chosen_at:
-        fixed = costs.before + costs.gap(i, o.span) + o.backward
+
+    def chosen_only(c: int, sums: dict[int, float], fixed: int, most: int) -> None:
+        """``fixed + sums <= target`` where option ``c`` is chosen: a big-M row."""
         big = (fixed + most - target) / scale  # the row's excess at its largest
         if big > 0:
-            high = (target - fixed) / scale + big
-            rows.append(({p0 + i: 1.0, s0 + i + o.span: 1.0, c: big}, -math.inf, high))
+            rows.append(({**sums, c: big}, -math.inf, (target - fixed) / scale + big))
+
+    kept = sum(max(o.kept for o in opts) for opts in blocks)
+    most = kept + sum(max(o.left for o in opts) for opts in blocks)
+    cached = kept + sum(max(o.cached for o in opts) for opts in blocks)
+    for c, i, o in chosen_at:
+        fixed = costs.before + costs.gap(i, o.span) + o.backward
+        chosen_only(c, {p0 + i: 1.0, s0 + i + o.span: 1.0}, fixed, most)
+        start = costs.start(i)
+        if start is not None:
+            chosen_only(c, {p0 + i: 1.0, q0 + i: 1.0}, start + o.forward, cached)
     return rows
 
 
@@ -637,6 +675,9 @@ def _chain_dp_grid(
             after = reserve[None, :] - rstep * runit  # reserved for the blocks after this one
             gap = costs.gap(i, o.span)
             allowed = costs.before + gap + prefix + o.backward + after <= target
+            level = costs.start(i)
+            if level is not None:  # its forward (no casts cached: see ``_raised_dp``)
+                allowed &= level + prefix + o.forward <= target
             value = np.where(allowed, here + o.seconds, inf)
             src = value[: size - step, rstep:]
             dst = best[t][step:, : rsize - rstep]
