@@ -11,16 +11,15 @@ NOTE [ Key/value caches in training ]
 
 A layer given a key/value cache (``use_cache=True``, ``cache`` as transformers 5.24 names it,
 ``past_key_values`` before it, ``layer_past``) appends its keys and values to that cache object
-in forward. The object is Python state, not a
-tensor, so remat's write guard cannot keep a recompute from appending a second time; the
-recompute would then attend over twice the keys and rebuild tensors of other shapes (remat's
-determinism check raises :class:`~remat.CheckpointError`). Hugging Face's own gradient
-checkpointing drops the cache in each layer while training, with a warning; ``enable`` does the
-same, through a forward pre-hook on each layer: while the layer trains with gradients enabled,
-``use_cache`` becomes ``False`` and the cache argument becomes ``None``, and a warning is
-logged once per layer class (logger ``remat.hf``). In evaluation and under
-``torch.no_grad()`` (generation) the cache passes through untouched. The model's config is not
-changed.
+in forward. The object is Python state, not a tensor, so remat's write guard cannot keep a
+recompute from appending a second time; the recompute would then attend over twice the keys
+and rebuild tensors of other shapes (remat's determinism check raises
+:class:`~remat.CheckpointError`). Hugging Face's own gradient checkpointing drops the cache in
+each layer while training, with a warning; ``enable`` does the same, through a forward
+pre-hook on each layer: while the layer trains with gradients enabled, ``use_cache`` becomes
+``False`` and the cache argument becomes ``None``, and a warning is logged once per layer
+class (logger ``remat.hf``). In evaluation and under ``torch.no_grad()`` (generation) the cache
+passes through untouched. The model's config is not changed.
 """
 
 from __future__ import annotations

@@ -480,8 +480,8 @@ def _callable(module: nn.Module) -> bool:
 
 
 def _children_hint(module: nn.Module, name: str = "") -> str:
-    """``: remat.apply(model, Block)`` when ``module``'s children share a class, else their
-    qualified names."""
+    """What to select instead of ``module``: ``" (remat.apply(model, Block))"`` when its
+    children share a class, else some of their qualified names; ``""`` when it has none."""
     children = list(module.named_children())
     if not children:
         return ""

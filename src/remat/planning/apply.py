@@ -495,7 +495,8 @@ class SegmentForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = _block(self.module_ref)
-        refuse_sharded(module, self.label)
+        if _sharded(module):
+            raise _sharded_error(self.label)
         if torch.compiler.is_compiling():  # [ Regions under torch.compile ] 4 in _compile.py
             from .._compile import lower
 
@@ -530,15 +531,17 @@ def _fsdp_module_class() -> type | None:
     return None
 
 
-def refuse_sharded(module: nn.Module, label: str) -> None:
-    """Raise if ``fully_shard`` (FSDP2) shards ``module`` or a module in it: FSDP2 gathers a
+def _sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) shards ``module`` or a module in it. FSDP2 gathers a
     block's parameters for that block's own forward and backward only, and a segment's
-    recompute runs the blocks before the one whose backward runs (with their parameters
-    sharded, it fails in backward, or would be wrong)."""
+    recompute runs the blocks before the one whose backward runs: with their parameters
+    sharded, it fails in backward, or would be wrong."""
     fsdp = _fsdp_module_class()
-    if fsdp is None or not any(isinstance(m, fsdp) for m in module.modules()):
-        return
-    raise RematError(
+    return fsdp is not None and any(isinstance(m, fsdp) for m in module.modules())
+
+
+def _sharded_error(label: str) -> RematError:
+    return RematError(
         f"remat: {label} is sharded by fully_shard (FSDP2). FSDP2 gathers a block's parameters "
         "for that block's forward and backward only, and a segment's recompute runs the blocks "
         "before it too. Plan the model without segments before sharding it: "
@@ -583,7 +586,9 @@ class LinkedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = _block(self.module_ref)
-        refuse_sharded(module, _label(self.chain.paths[self.position], self.chain.paths))
+        if _sharded(module):
+            paths = self.chain.paths
+            raise _sharded_error(_label(paths[self.position], paths))
         if torch.compiler.is_compiling():  # [ Regions under torch.compile ] 4 in _compile.py
             lowered = functools.partial(type(module).forward, module)
             return self.chain.calls.run(self.position, lowered, args, kwargs)
