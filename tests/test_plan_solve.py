@@ -336,6 +336,28 @@ def test_a_budget_some_assignment_fits_is_never_refused_on_a_coarse_grid(seed: i
         assert chain_peak(costs, chosen(blocks, picks)) <= budget
 
 
+def _solved_as_brute_force(
+    costs: ChainCosts, blocks: list[list[ChainOption]], budgets: tuple[int, ...]
+) -> int:
+    """At each budget, :func:`chain_solve`'s answer is proven optimal, ``None`` exactly where
+    brute force finds none, else fits and takes brute force's least time; the budgets where
+    one fits."""
+    cases = 0
+    for budget in budgets:
+        expected = chain_brute_force(costs, blocks, budget)
+        picks, optimal = chain_solve(costs, blocks, budget)
+        assert optimal
+        if expected is None:
+            assert picks is None
+            continue
+        cases += 1
+        assert picks is not None
+        options = chosen(blocks, picks)
+        assert chain_peak(costs, options) <= budget
+        assert sum(o.seconds for o in options) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    return cases
+
+
 def test_chain_dp_with_casts_cached_to_the_forward_end_matches_brute_force() -> None:
     # Under a loop's autocast, options that drop their cast weights still hold them in
     # autocast's cache until the forward ends (``cached``): they count at the forward's end
@@ -352,18 +374,7 @@ def test_chain_dp_with_casts_cached_to_the_forward_end_matches_brute_force() -> 
             ]
             for opts in blocks
         ]
-        for budget in (1500, 2000, 2500, 3000, 4000):
-            expected = chain_brute_force(costs, blocks, budget)
-            picks, optimal = chain_solve(costs, blocks, budget)
-            assert optimal
-            if expected is None:
-                assert picks is None
-                continue
-            cases += 1
-            assert picks is not None
-            options = chosen(blocks, picks)
-            assert chain_peak(costs, options) <= budget
-            assert sum(o.seconds for o in options) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+        cases += _solved_as_brute_force(costs, blocks, (1500, 2000, 2500, 3000, 4000))
     assert cases >= 60
 
 
@@ -470,16 +481,5 @@ def test_chain_solvers_with_forward_peaks_match_brute_force(cached: bool) -> Non
             ]
             for opts in blocks
         ]
-        for budget in (1500, 2000, 2500, 3000, 4000):
-            expected = chain_brute_force(costs, blocks, budget)
-            picks, optimal = chain_solve(costs, blocks, budget)
-            assert optimal
-            if expected is None:
-                assert picks is None
-                continue
-            cases += 1
-            assert picks is not None
-            options = chosen(blocks, picks)
-            assert chain_peak(costs, options) <= budget
-            assert sum(o.seconds for o in options) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+        cases += _solved_as_brute_force(costs, blocks, (1500, 2000, 2500, 3000, 4000))
     assert cases >= 30
