@@ -50,6 +50,10 @@ class OpInfo:
     # For each result, whether it is a new tensor (not an alias of an argument).
     fresh: tuple[bool, ...]
     any_fresh: bool
+    # For an op that writes nothing and whose results are all views of one argument (``t``,
+    # ``view``, ``split``), that argument's position: the results share its version counter
+    # once the op returns, though not yet inside a dispatch mode.
+    view_of: int | None
     # ``None`` when a positional argument's type could hold a tensor in some other form (a
     # generic ``t``, a dict, a custom class): every argument is then searched for tensors.
     layout: ArgLayout | None
@@ -90,7 +94,9 @@ def _read_schema(op: torch._ops.OpOverload) -> OpInfo:
     )
     fresh_alias = schema.name in FRESH_ALIASES
     fresh = tuple(ret.alias_info is None or fresh_alias for ret in schema.returns)
-    return OpInfo(writes, fresh, any(fresh), _layout(schema), op)
+    aliased = [i for i, arg in enumerate(schema.arguments) if arg.alias_info is not None]
+    view_of = aliased[0] if not writes and fresh and not any(fresh) and len(aliased) == 1 else None
+    return OpInfo(writes, fresh, any(fresh), view_of, _layout(schema), op)
 
 
 # Schema types whose values hold no tensor: ``int`` stands for ScalarType, Layout and

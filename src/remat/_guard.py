@@ -119,7 +119,7 @@ class Reachable:
     region call instead of two.
     """
 
-    __slots__ = ("n_own", "tensors", "versions")
+    __slots__ = ("n_own", "tensors", "versions", "walked")
 
     def __init__(
         self,
@@ -129,7 +129,7 @@ class Reachable:
         own: list[weakref.ref[torch.Tensor]] | None = None,
     ) -> None:
         found: dict[int, torch.Tensor] = {}
-        seen: set[int] = set()
+        seen: dict[int, Any] = {}  # the modules and functions walked, by id
         if own is None:
             _visit_function(function, found, seen)
         else:
@@ -144,6 +144,9 @@ class Reachable:
             _visit(value, found, seen, 2)
         self.tensors = list(found.values())
         self.versions = [t._version for t in self.tensors]
+        # The modules and functions walked (the function's own only when ``own`` is None), by
+        # id: ``_reads.Reads`` notes the modules' state after a forward pass.
+        self.walked = seen
 
     def own_refs(self) -> list[weakref.ref[torch.Tensor]]:
         """Weak references to the tensors the function reaches (not through its arguments):
@@ -159,7 +162,7 @@ class Reachable:
         return [t for t, v in zip(self.tensors, self.versions, strict=True) if t._version != v]
 
 
-def _visit(value: Any, found: dict[int, torch.Tensor], seen: set[int], depth: int) -> None:
+def _visit(value: Any, found: dict[int, torch.Tensor], seen: dict[int, Any], depth: int) -> None:
     """Record the tensors in ``value``: itself, the modules' state, containers ``depth`` deep."""
     if isinstance(value, torch.Tensor):
         found[id(value)] = value
@@ -173,7 +176,7 @@ def _visit(value: Any, found: dict[int, torch.Tensor], seen: set[int], depth: in
             _visit(item, found, seen, depth - 1)
 
 
-def _visit_module(root: nn.Module, found: dict[int, torch.Tensor], seen: set[int]) -> None:
+def _visit_module(root: nn.Module, found: dict[int, torch.Tensor], seen: dict[int, Any]) -> None:
     """Parameters, buffers and tensor attributes of ``root`` and its submodules, and what their
     ``forward`` functions reach."""
     stack = [root]
@@ -181,7 +184,7 @@ def _visit_module(root: nn.Module, found: dict[int, torch.Tensor], seen: set[int
         module = stack.pop()
         if id(module) in seen:
             continue
-        seen.add(id(module))
+        seen[id(module)] = module
         state = module.__dict__
         for t in state["_parameters"].values():
             if t is not None:
@@ -198,7 +201,7 @@ def _visit_module(root: nn.Module, found: dict[int, torch.Tensor], seen: set[int
         _visit_code(type(module).forward, found, seen)
 
 
-def _visit_function(function: Any, found: dict[int, torch.Tensor], seen: set[int]) -> None:
+def _visit_function(function: Any, found: dict[int, torch.Tensor], seen: dict[int, Any]) -> None:
     if isinstance(function, functools.partial):
         for value in (*function.args, *function.keywords.values()):
             _visit(value, found, seen, 2)
@@ -212,12 +215,12 @@ def _visit_function(function: Any, found: dict[int, torch.Tensor], seen: set[int
         _visit_code(function, found, seen)
 
 
-def _visit_code(function: Any, found: dict[int, torch.Tensor], seen: set[int]) -> None:
+def _visit_code(function: Any, found: dict[int, torch.Tensor], seen: dict[int, Any]) -> None:
     """The tensors a Python function's closure and defaults hold, and the tensors and modules
     its code names as globals (global containers are left to [ When the guard runs ] 2)."""
     if type(function) is not types.FunctionType or id(function) in seen:
         return
-    seen.add(id(function))
+    seen[id(function)] = function
     for cell in function.__closure__ or ():
         with contextlib.suppress(ValueError):  # an empty cell raises
             _visit(cell.cell_contents, found, seen, 2)

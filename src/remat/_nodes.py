@@ -89,11 +89,36 @@ _METADATA_ONLY = frozenset(
 )
 
 
-@dataclass
 class _Held:
-    """A tensor held by reference (stale read or kept result); copied before it is written."""
+    """A tensor held by reference (a stale read or a kept result), copied before the region
+    writes it.
 
-    tensor: torch.Tensor
+    ``source``: a weak reference to the tensor whose version counter the held value shares
+    in the program (the root of its views), and ``version``: that counter when the value was
+    held. A write after the forward pass goes through no recording mode, so the value must
+    still be at ``version`` when backward reads it, or plain autograd would have raised: see
+    ``_replay.check_held``. ``source`` is None for a copy, which no write outside reaches.
+    """
+
+    __slots__ = ("source", "tensor", "version")
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        source: weakref.ref[torch.Tensor] | None = None,
+        version: int = 0,
+    ) -> None:
+        self.tensor = tensor
+        self.source = source
+        self.version = version
+
+    def copied(self) -> None:
+        """Hold a copy from now on: the region is about to write the value held."""
+        self.tensor = self.tensor.clone()
+        self.source = None
+
+    def __repr__(self) -> str:
+        return f"_Held(shape={tuple(self.tensor.shape)}, version={self.version})"
 
 
 class Node:

@@ -91,6 +91,7 @@ class Replay:
     def unpack(self, packed: _Packed) -> torch.Tensor:
         ref = packed.ref
         if isinstance(ref, _Held):
+            check_held(ref, "saved for backward")
             return ref.tensor
         task, outside = _state.backward_task()
         if task not in self.uses:
@@ -144,6 +145,8 @@ class Replay:
         kept = self.nodes[ref.node].kept.get(ref.key)
         if kept is not None:
             tensor: torch.Tensor = kept.tensor
+            if type(kept) is _Held and kept.source is not None:
+                check_held(kept, f"kept (a result of {self.nodes[ref.node].op})")
             return tensor
         return self.cache[task].get(ref)
 
@@ -267,12 +270,14 @@ class Replay:
                 if value.tensor._version != value.version:
                     raise CheckpointError(
                         f"remat: {node.op} in {node.module or '(top)'} read a tensor from outside "
-                        "the region that was modified in place after the forward pass; its "
-                        "recomputed result would differ. Keep it unmodified until backward, or "
-                        "save this op's result (MUST_SAVE)."
+                        "the region (a parameter, a buffer) that was modified in place after the "
+                        "forward pass (an optimizer step, an EMA update or a clamp between "
+                        "forward and backward); its replayed result would differ and the "
+                        "gradients would be wrong. Run backward before modifying it."
                     )
                 return value.tensor
             if isinstance(value, _Held):
+                check_held(value, f"read by {node.op}")
                 return value.tensor.clone() if position in written else value.tensor
             return value
 
@@ -294,7 +299,12 @@ class Replay:
                 a = resolved[i]
                 if type(a) is Ref:
                     kept = nodes[a.node].kept.get(a.key)
-                    t = kept.tensor if kept is not None else cache.get(a)
+                    if kept is None:
+                        t = cache.get(a)
+                    else:
+                        t = kept.tensor
+                        if type(kept) is _Held and kept.source is not None:
+                            check_held(kept, f"kept (a result of {nodes[a.node].op})")
                     resolved[i] = t if t is not None else resolve_arg(a)
                 elif isinstance(a, _RECORDED):
                     resolved[i] = resolve_arg(a)
@@ -324,6 +334,21 @@ class Replay:
             if node.feeds:
                 self.rng_after.setdefault(task, {})[index] = [(g, g.get_state()) for g, _ in states]
         return args, kwargs, out
+
+
+def check_held(held: _Held, what: str) -> None:
+    """Raise when the program wrote a tensor the region held from its forward pass, since it
+    held it: see [ A recompute reads what its forward pass read ] 2 in ``_reads.py``."""
+    source = held.source() if held.source is not None else None
+    if source is not None and source._version != held.version:
+        raise CheckpointError(
+            f"remat: backward needs a tensor of shape {tuple(held.tensor.shape)} that a "
+            f"graph-engine region {what} in its forward pass, and it was modified in place "
+            f"since (its version was {held.version}, it is {source._version}): a parameter "
+            "written by an optimizer step, an EMA update or a clamp between forward and "
+            "backward, or an output written in place. Plain autograd raises here too. Run "
+            "backward before modifying it, or modify a clone."
+        )
 
 
 _NOTHING_WRITTEN: frozenset[int | str] = frozenset()

@@ -93,6 +93,7 @@ from ._guard import (
     undoable,
     verified,
 )
+from ._reads import Reads
 from ._types import ContextFn
 from .errors import CheckpointError, RematError, did_you_mean
 from .policies import Policy
@@ -109,8 +110,8 @@ _USUAL_CAUSES = (
     "forward and backward (a flag, a cache, Python's `random`), appends to a key/value cache "
     "it was given (a Hugging Face layer called with use_cache=True: pass use_cache=False, or "
     "use remat.hf.enable, which drops the cache while training), takes a different branch the "
-    "second time, a module switched between train() and eval(), or preserve_rng_state=False "
-    "with random ops inside. Pass debug=True to see the operators of both runs."
+    "second time, or preserve_rng_state=False with random ops inside. Pass debug=True to see "
+    "the operators of both runs."
 )
 
 
@@ -198,6 +199,7 @@ class _Call:
         "kwargs",
         "links",
         "reached",
+        "reads",
         "tensor_args",
         "undoable",
         "wrote",
@@ -233,6 +235,9 @@ class _Call:
         # The tensors the function reached in the forward pass, held weakly (what its
         # recompute checks, [ When the guard runs ] 3); None when it was not walked.
         self.reached: list[weakref.ref[torch.Tensor]] | None = None
+        # What the forward pass read from the modules, for the recompute to read again: see
+        # [ A recompute reads what its forward pass read ] in _reads.py; None when not walked.
+        self.reads: Reads | None = None
         self.keys = identities(function, args)
 
     def inputs(self, previous: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -326,6 +331,9 @@ class _Frame:
             call.wrote = bool(written)
             call.undoable = call.wrote and undoable(written, saved)
             call.reached = reach.own_refs()
+            # Arguments are checked where autograd saved them (or rebuilt, for links).
+            arguments = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+            call.reads = Reads(reach, call.reached, written, [*arguments, *nested])
         call.ambient.check_forward_done()
         return out
 
@@ -449,6 +457,11 @@ class _Frame:
         changed: list[torch.Tensor] = []
         out: Any = None
         stopped = False
+        reads = call.reads
+        bound = None
+        if reads is not None:
+            reads.check()
+            bound = reads.bind()
         try:
             try:
                 with (
@@ -468,6 +481,8 @@ class _Frame:
                 finally:
                     if undo is not None:
                         undo.close()
+                    if bound is not None:
+                        Reads.unbind(bound)
         except _StopRecompute:
             stopped = True
         if guard is not None and not call.wrote:

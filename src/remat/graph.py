@@ -30,7 +30,17 @@ A tensor seen in forward is identified by its TensorImpl and its version counter
    or the Python number the dispatcher passed for a wrapped number; a ``Tensor[]`` position a
    list of them; every other argument is kept as the op got it, and neither the recording nor
    the replay looks inside it. An op with an argument of another type that could hold a tensor
-   (a generic ``t``, a dict) is searched whole.
+   (a generic ``t``, a dict) is searched whole;
+7. a view (``t``, ``view``, ``split``) is known at its base's version: the dispatch mode sees
+   the op below autograd, where its result still has a counter of its own, and autograd
+   makes it share its base's counter once the op returns. So ``t(weight)`` of a parameter
+   that an optimizer step has written is a reference to a replayable node, not a stale read;
+8. a tensor held by reference (a kept result, a stale read, a leaf autograd saves) remembers
+   the tensor whose version counter it shares in the program and that counter's value; a
+   replay or backward that reads it after the program wrote that tensor (an optimizer step
+   between forward and backward, an output written in place) raises, as plain autograd does
+   for a saved tensor. Writes inside the region never trip it: the held value is copied first
+   (rule 3), and a copy is checked no more.
 
 How backward rebuilds a tensor from the records: ``_replay.py``, NOTE [ Life of a replayed
 tensor ].
@@ -146,8 +156,13 @@ class Graph(Replay):
 
     # -- recording ---------------------------------------------------------------------------
 
-    def hold(self, t: torch.Tensor) -> _Held:
-        held = _Held(t)
+    def hold(self, t: torch.Tensor, source: torch.Tensor, version: int | None = None) -> _Held:
+        """Hold ``t``, the value of ``source`` at ``version`` (by default its version now),
+        by reference: see ``_Held``."""
+        root = source._base
+        if root is None:
+            root = source
+        held = _Held(t, weakref.ref(root), root._version if version is None else version)
         storage = _storage(t)
         if storage is not None:
             self.held.setdefault(storage, []).append(held)
@@ -161,7 +176,7 @@ class Graph(Replay):
                 if isinstance(held, Saved):
                     held.store.settle(held)  # its copy out reads the value before the write
                 else:
-                    held.tensor = held.tensor.clone()
+                    held.copied()
 
     def arg(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -172,7 +187,7 @@ class Graph(Replay):
                 if type(entry.ref) is Ref:
                     self._refs.append(entry.ref)
                 return entry.ref
-            return self.hold(value.detach())  # stale
+            return self.hold(value.detach(), value)  # stale
         external = _External(value, value._version)
         self.externals.setdefault(_key(value), []).append(external)
         return external
@@ -250,11 +265,16 @@ class Graph(Replay):
         keep = decision is not _PREFER_RECOMPUTE and decision is not _MUST_RECOMPUTE
         if type(out) is torch.Tensor:
             if not facts.writes:  # the common case: one new result
+                if facts.view_of is None:
+                    source, version = out, out._version
+                else:  # see [ Replay identity ] 7
+                    source = args[facts.view_of]
+                    version = source._version
                 self.current[out._cdata] = _new_entry(
-                    (_new_ref((index, 0)), out._version, weakref.ref(out))
+                    (_new_ref((index, 0)), version, weakref.ref(out))
                 )
                 if keep:
-                    node.kept[0] = self.hold(out.detach())
+                    node.kept[0] = self.hold(out.detach(), source, version)
                 return out
             if facts.in_place and out is args[0]:  # ``x.div_(2)`` returns ``x``: written
                 self._bind(out, (index, 0), node, True, keep)  # (see below)
@@ -269,14 +289,16 @@ class Graph(Replay):
             )
         }
         results = out if isinstance(out, (tuple, list)) else (out,)
+        base = args[facts.view_of] if facts.view_of is not None else None
         for k, result in enumerate(results):
             if isinstance(result, torch.Tensor):
                 was_written = written.pop(result._cdata, None) is not None
-                self._bind(result, (index, k), node, was_written, keep)
+                self._bind(result, (index, k), node, was_written, keep, base)
             elif isinstance(result, (tuple, list)):
                 for j, t in enumerate(result):
                     if isinstance(t, torch.Tensor):
-                        self._bind(t, (index, ("l", k, j)), node, t._cdata in written, keep)
+                        key = (index, ("l", k, j))
+                        self._bind(t, key, node, t._cdata in written, keep, base)
         for position, name in facts.writes if written else ():
             target = args[position] if position < len(args) else kwargs.get(name)
             if (
@@ -308,6 +330,8 @@ class Graph(Replay):
             if isinstance(target, torch.Tensor):
                 recorded = node_args[position] if position < len(args) else node_kwargs[name]
                 if isinstance(recorded, _External):
+                    if self.held:
+                        self._before_write(target)  # a kept view of it holds the value before
                     snapshot = _Held(target.detach().clone())
                     # Earlier reads of this state replay from the snapshot (see [ Replay
                     # identity ] 5), since the live tensor moves on.
@@ -323,12 +347,22 @@ class Graph(Replay):
         return node_args, node_kwargs
 
     def _bind(
-        self, t: torch.Tensor, key: tuple[int, Key], node: Node, written: bool, keep: bool
+        self,
+        t: torch.Tensor,
+        key: tuple[int, Key],
+        node: Node,
+        written: bool,
+        keep: bool,
+        base: torch.Tensor | None = None,
     ) -> None:
+        """Make ``t`` known as ``key``; ``base``: the argument it is a view of, whose version
+        counter it shares once the op returns ([ Replay identity ] 7)."""
         ref = _new_ref(key)
-        self.current[t._cdata] = _new_entry((ref, t._version + written, weakref.ref(t)))
+        source = t if base is None or written else base
+        version = source._version + written
+        self.current[t._cdata] = _new_entry((ref, version, weakref.ref(t)))
         if keep:
-            node.kept[ref.key] = self.hold(t.detach())
+            node.kept[ref.key] = self.hold(t.detach(), source, version)
 
     def _offload(self, ref: Ref) -> None:
         """Move a kept result to its tier, if its decision (or the ``remat.offload`` block the
@@ -403,7 +437,7 @@ class Graph(Replay):
         decision = self._ask(ctx, node.op, args, kwargs)
         if not decision.recompute and node.decision.recompute:
             node.decision = decision
-            node.kept[entry.ref.key] = self.hold(t.detach())
+            node.kept[entry.ref.key] = self.hold(t.detach(), t)
 
     def _live_arguments(self, node: Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments ``node``'s op was called with, from its records: the tensors still
@@ -441,11 +475,11 @@ class Graph(Replay):
         elif t.grad_fn is None:
             # A leaf from outside the region (a parameter that LayerNorm saves): held itself,
             # since it holds no graph, without a ``detach`` through the recording mode.
-            packed = _Packed(self.hold(t))
+            packed = _Packed(self.hold(t, t))
         else:
             self.paused = True
             try:
-                packed = _Packed(self.hold(t.detach()))
+                packed = _Packed(self.hold(t.detach(), t))
             finally:
                 self.paused = False
         self.packed.append(weakref.ref(packed))
@@ -516,6 +550,9 @@ class _OpFacts(NamedTuple):
     special: bool  # metadata_only or writes: recorded by ``Graph._special``
     in_place: bool  # writes its first argument only (``div_``)
     layout: ArgLayout | None
+    # The position of the argument that the op's results are views of (``t``, ``view``,
+    # ``split``), for an op that writes nothing; see [ Replay identity ] 7.
+    view_of: int | None
 
 
 # Keyed by ``id(op)``: an OpOverload hashes in Python, an int in C, and this lookup runs per op.
@@ -536,6 +573,7 @@ def _learn(func: torch._ops.OpOverload) -> _OpFacts:
         special=metadata_only or bool(writes),
         in_place=len(writes) == 1 and writes[0][0] == 0,
         layout=info.layout,
+        view_of=None if writes else info.view_of,
     )
     return facts
 

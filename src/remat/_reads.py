@@ -1,0 +1,172 @@
+"""Make a recompute read what its forward pass read from the modules.
+
+NOTE [ A recompute reads what its forward pass read ]
+
+The region engine rebuilds activations by running the region's Python again. The recompute
+reads the modules' parameters, buffers and flags as they are in backward, which may not be
+how they were in forward. Usually nothing changed. When something did, the recompute builds
+other activations, and the gradients come out wrong with no error. Torch's checkpoint
+behaves this way in all three cases below.
+
+1. *Another tensor in the module's place.* ``torch.func.functional_call(model, params, x)``
+   swaps ``params`` into the modules for the call, then swaps the modules' own back when it
+   returns. A recompute after that would read the module's own. A module may also replace a
+   buffer or a parameter between forward and backward.
+
+   The forward pass notes which tensor each module of the region held under each name: its
+   *bindings*, taken from the modules that the walk of ``_guard.Reachable`` visits. A
+   recompute that finds another tensor there puts the forward's tensor back while it runs,
+   then restores the module's.
+
+   The forward's tensors are held until the recompute. Where nothing was swapped, they are
+   the module's own, so holding them costs nothing. Where something was, they are what a
+   plain run's autograd holds.
+2. *A tensor written in place since.* An optimizer step, an EMA update or a weight clamp
+   between forward and backward writes a parameter that the recompute reads. Plain autograd
+   raises for a saved tensor that was modified after it was saved, using its version
+   counter. The recompute does the same for the parameters of the modules the region
+   reached, and for any other tensor it reached that requires grad: when one's version
+   differs from the one it had at the end of the forward pass, the recompute raises, naming
+   it.
+
+   Left out of this check:
+   - tensors the forward pass wrote itself, which the write guard handles (``_guard.py``);
+   - the region's tensor arguments, which are saved through autograd, and autograd checks
+     them;
+   - buffers and other tensors that need no gradient. What a region reaches is more than
+     what it reads: a BatchNorm in training reaches its running statistics without reading
+     them, and another call of the same module may write them before this one's recompute
+     (a later micro-batch in ``remat.pipe`` updates deferred statistics). A buffer that the
+     recompute does read, written in place between forward and backward by something other
+     than the region, is the case left open.
+3. *A module switched between train() and eval().* Dropout and BatchNorm compute differently
+   in eval mode. The forward pass notes each module's ``training`` flag. A recompute that
+   finds another flag sets the forward's while it runs.
+
+A forward pass notes one binding per parameter and buffer, one version per
+tensor reached and one flag per module. A recompute compares them; a transformer block has a
+dozen of each.
+
+The graph engine replays the recorded ops on the tensors that the forward pass read, so 1 and
+3 cannot happen to it. It checks 2 on every tensor it holds from the forward pass
+(``_replay.py``).
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._guard import Reachable
+from .errors import CheckpointError
+
+__all__: list[str] = []
+
+
+class Reads:
+    """What a region's forward pass read from outside it: see the note above.
+
+    ``reach``: the walk made before the forward pass; ``own``: weak references to the tensors
+    the function itself reaches (``reach.own_refs()``); ``written``: the tensors the forward
+    pass wrote; ``arguments``: the region's tensor arguments. Neither of the last two is
+    checked by version.
+    """
+
+    __slots__ = ("extra", "flags", "held", "modules", "own", "tables", "versions", "written")
+
+    def __init__(
+        self,
+        reach: Reachable,
+        own: list[weakref.ref[torch.Tensor]],
+        written: list[torch.Tensor],
+        arguments: list[torch.Tensor],
+    ) -> None:
+        # The modules, their ``training`` flags, their parameter and buffer tables and what
+        # those held: a tuple per module and per table, once per region call.
+        self.modules = [m for m in reach.walked.values() if isinstance(m, nn.Module)]
+        self.flags = tuple([m.training for m in self.modules])
+        self.tables: list[dict[str, Any]] = []
+        for m in self.modules:
+            state = m.__dict__
+            self.tables += (state["_parameters"], state["_buffers"])
+        self.held = [tuple(table.values()) for table in self.tables]
+        # Versions at the start of the forward pass; those it changed are ``written``.
+        self.own = own
+        self.versions = reach.versions
+        self.written = {id(t) for t in written} if written else None
+        skip = {id(t) for t in arguments}
+        self.extra = []  # tensors reached through the arguments (a module passed in)
+        n = reach.n_own
+        for t, v in zip(reach.tensors[n:], reach.versions[n:], strict=True):
+            if id(t) not in skip and t.requires_grad and id(t) not in (self.written or ()):
+                self.extra.append((weakref.ref(t), v))
+
+    def check(self) -> None:
+        """Raise when a tensor the forward pass read was written since ([ A recompute reads
+        what its forward pass read ] 2)."""
+        for ref, version in (*zip(self.own, self.versions, strict=False), *self.extra):
+            t = ref()
+            if (
+                t is not None
+                and t._version != version
+                and t.requires_grad
+                and (self.written is None or id(t) not in self.written)
+            ):
+                raise CheckpointError(
+                    f"remat: the recompute of a checkpointed region would read "
+                    f"{self._describe(t)}, which was modified in place after the forward pass "
+                    f"(its version was {version}, it is {t._version}). The recompute would "
+                    "rebuild other activations and the gradients would be wrong. Run backward "
+                    "before modifying it (an optimizer step, an EMA update or a weight clamp "
+                    "between forward and backward), or do not checkpoint this region."
+                )
+
+    def bind(self) -> list[tuple[Any, Any]] | None:
+        """Put back the forward pass's tensors and ``training`` flags where the modules now
+        hold others ([ A recompute reads what its forward pass read ] 1 and 3); what
+        :meth:`unbind` takes to restore the modules' own, or None when nothing changed."""
+        changed: list[tuple[Any, Any]] = []
+        if tuple([m.training for m in self.modules]) != self.flags:
+            for module, training in zip(self.modules, self.flags, strict=True):
+                if module.training is not training:
+                    changed.append((module, module.training))
+                    module.training = training
+        for i, (table, held) in enumerate(zip(self.tables, self.held, strict=True)):
+            if len(table) != len(held) or not all(map(operator.is_, table.values(), held)):
+                if len(table) != len(held):
+                    self.unbind(changed)
+                    raise CheckpointError(
+                        f"remat: a {type(self.modules[i // 2]).__name__} in a "
+                        "checkpointed region has other parameters or buffers than in its "
+                        "forward pass (one was added or deleted since), so its recompute cannot "
+                        "run as the forward pass did. Change a model's parameters after "
+                        "backward, not between forward and backward."
+                    )
+                changed.append((table, dict(table)))
+                table.update(zip(list(table), held, strict=True))
+        return changed or None
+
+    @staticmethod
+    def unbind(changed: list[tuple[Any, Any]]) -> None:
+        """Restore what :meth:`bind` replaced."""
+        for owner, value in reversed(changed):
+            if isinstance(owner, nn.Module):
+                owner.training = value
+            else:
+                owner.clear()
+                owner.update(value)
+
+    def _describe(self, t: torch.Tensor) -> str:
+        for i, (table, held) in enumerate(zip(self.tables, self.held, strict=True)):
+            for name, bound in zip(table, held, strict=False):
+                if bound is t:
+                    kind = "buffer" if i % 2 else "parameter"
+                    return f"the {kind} {name!r} of a {type(self.modules[i // 2]).__name__}"
+        return (
+            f"a tensor of shape {tuple(t.shape)} that it reaches (a module attribute, a closure "
+            "or a global)"
+        )
