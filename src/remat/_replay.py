@@ -146,7 +146,7 @@ class Replay:
         if kept is not None:
             tensor: torch.Tensor = kept.tensor
             if type(kept) is _Held and kept.source is not None:
-                check_held(kept, f"kept (a result of {self.nodes[ref.node].op})")
+                check_held(kept, "kept", self.nodes[ref.node].op)
             return tensor
         return self.cache[task].get(ref)
 
@@ -277,7 +277,7 @@ class Replay:
                     )
                 return value.tensor
             if isinstance(value, _Held):
-                check_held(value, f"read by {node.op}")
+                check_held(value, "read", node.op)
                 return value.tensor.clone() if position in written else value.tensor
             return value
 
@@ -304,7 +304,7 @@ class Replay:
                     else:
                         t = kept.tensor
                         if type(kept) is _Held and kept.source is not None:
-                            check_held(kept, f"kept (a result of {nodes[a.node].op})")
+                            check_held(kept, "kept", nodes[a.node].op)
                     resolved[i] = t if t is not None else resolve_arg(a)
                 elif isinstance(a, _RECORDED):
                     resolved[i] = resolve_arg(a)
@@ -336,11 +336,14 @@ class Replay:
         return args, kwargs, out
 
 
-def check_held(held: _Held, what: str) -> None:
+def check_held(held: _Held, how: str, op: Any = None) -> None:
     """Raise when the program wrote a tensor the region held from its forward pass, since it
-    held it: see [ A recompute reads what its forward pass read ] 2 in ``_reads.py``."""
+    held it: see [ A recompute reads what its forward pass read ] 2 in ``_reads.py``. ``how``
+    the region held it ("kept", "read", "saved for backward") and ``op``, the op that made or
+    read it, go into the message only: this runs for every held value a replay reads."""
     source = held.source() if held.source is not None else None
     if source is not None and source._version != held.version:
+        what = f"{how} (by {op})" if op is not None else how
         raise CheckpointError(
             f"remat: backward needs a tensor of shape {tuple(held.tensor.shape)} that a "
             f"graph-engine region {what} in its forward pass, and it was modified in place "

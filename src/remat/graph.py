@@ -156,13 +156,10 @@ class Graph(Replay):
 
     # -- recording ---------------------------------------------------------------------------
 
-    def hold(self, t: torch.Tensor, source: torch.Tensor, version: int | None = None) -> _Held:
-        """Hold ``t``, the value of ``source`` at ``version`` (by default its version now),
-        by reference: see ``_Held``."""
-        root = source._base
-        if root is None:
-            root = source
-        held = _Held(t, weakref.ref(root), root._version if version is None else version)
+    def hold(self, t: torch.Tensor, source: weakref.ref[torch.Tensor], version: int) -> _Held:
+        """Hold ``t`` by reference: the value of the tensor ``source`` refers to, at
+        ``version`` (see ``_Held``; ``_source`` gives both for a tensor of the program)."""
+        held = _Held(t, source, version)
         storage = _storage(t)
         if storage is not None:
             self.held.setdefault(storage, []).append(held)
@@ -187,7 +184,7 @@ class Graph(Replay):
                 if type(entry.ref) is Ref:
                     self._refs.append(entry.ref)
                 return entry.ref
-            return self.hold(value.detach(), value)  # stale
+            return self.hold(value.detach(), *_source(value))  # stale
         external = _External(value, value._version)
         self.externals.setdefault(_key(value), []).append(external)
         return external
@@ -265,14 +262,12 @@ class Graph(Replay):
         keep = decision is not _PREFER_RECOMPUTE and decision is not _MUST_RECOMPUTE
         if type(out) is torch.Tensor:
             if not facts.writes:  # the common case: one new result
+                live = weakref.ref(out)
                 if facts.view_of is None:
-                    source, version = out, out._version
+                    source, version = live, out._version
                 else:  # see [ Replay identity ] 7
-                    source = args[facts.view_of]
-                    version = source._version
-                self.current[out._cdata] = _new_entry(
-                    (_new_ref((index, 0)), version, weakref.ref(out))
-                )
+                    source, version = _source(args[facts.view_of])
+                self.current[out._cdata] = _new_entry((_new_ref((index, 0)), version, live))
                 if keep:
                     node.kept[0] = self.hold(out.detach(), source, version)
                 return out
@@ -358,8 +353,8 @@ class Graph(Replay):
         """Make ``t`` known as ``key``; ``base``: the argument it is a view of, whose version
         counter it shares once the op returns ([ Replay identity ] 7)."""
         ref = _new_ref(key)
-        source = t if base is None or written else base
-        version = source._version + written
+        source, version = _source(t if base is None or written else base)
+        version += written
         self.current[t._cdata] = _new_entry((ref, version, weakref.ref(t)))
         if keep:
             node.kept[ref.key] = self.hold(t.detach(), source, version)
@@ -437,7 +432,7 @@ class Graph(Replay):
         decision = self._ask(ctx, node.op, args, kwargs)
         if not decision.recompute and node.decision.recompute:
             node.decision = decision
-            node.kept[entry.ref.key] = self.hold(t.detach(), t)
+            node.kept[entry.ref.key] = self.hold(t.detach(), *_source(t))
 
     def _live_arguments(self, node: Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments ``node``'s op was called with, from its records: the tensors still
@@ -475,11 +470,11 @@ class Graph(Replay):
         elif t.grad_fn is None:
             # A leaf from outside the region (a parameter that LayerNorm saves): held itself,
             # since it holds no graph, without a ``detach`` through the recording mode.
-            packed = _Packed(self.hold(t, t))
+            packed = _Packed(self.hold(t, *_source(t)))
         else:
             self.paused = True
             try:
-                packed = _Packed(self.hold(t.detach(), t))
+                packed = _Packed(self.hold(t.detach(), *_source(t)))
             finally:
                 self.paused = False
         self.packed.append(weakref.ref(packed))
@@ -573,9 +568,18 @@ def _learn(func: torch._ops.OpOverload) -> _OpFacts:
         special=metadata_only or bool(writes),
         in_place=len(writes) == 1 and writes[0][0] == 0,
         layout=info.layout,
-        view_of=None if writes else info.view_of,
+        view_of=info.view_of,
     )
     return facts
+
+
+def _source(t: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], int]:
+    """The tensor whose version counter ``t`` shares in the program (the root of its views),
+    weakly, and that counter now: what a ``_Held`` value of ``t`` is checked against."""
+    root = t._base
+    if root is None:
+        root = t
+    return weakref.ref(root), root._version
 
 
 _new_ref = functools.partial(tuple.__new__, Ref)  # Ref(node, key) without NamedTuple.__new__
