@@ -8,6 +8,33 @@ starts and re-enters them around its recompute, restoring the backward pass's ow
 Accelerator generators are captured for every device of every accelerator type that is
 initialised when the region starts, not only the devices of the region's inputs: a region that
 moves CPU inputs to a GPU and runs dropout there replays exactly too.
+
+NOTE [ Explicit generators ]
+
+Code that draws from a ``torch.Generator`` of its own (``torch.rand(shape, generator=g)``: a
+module that holds a generator for its noise, a sampler seeded apart from the model, a thread
+that must not share the default generator) draws from a state the default generators do not
+hold. A region engine that replays only the default ones re-runs such a draw from wherever
+``g`` stands in backward: the recompute draws other numbers, the gradients are wrong without an
+error, and ``g`` ends two draws ahead of a plain run (torch's checkpoint does both).
+
+1. The walk that lists what a region reaches (``_guard.Reachable``: its arguments, the
+   attributes of its modules, closures, defaults and the globals its code loads) lists the
+   generators there too. A forward pass captures each one's state before the function runs.
+2. Its recompute sets each listed generator to that state, runs, and sets it back to the state
+   it had before the recompute: the region draws what its forward pass drew, and code after
+   backward draws what it would in a plain run.
+3. A generator the walk cannot see (an attribute of a plain object, one a helper function
+   returns) is caught where hidden writes are ([ When the guard runs ] 2 in ``_guard.py``): the
+   first recompute of every function runs under the write guard, which looks at the generator
+   of every random op; one that is neither listed nor a default generator raises a
+   ``CheckpointError`` after that recompute, before its numbers reach a gradient.
+
+Python objects are not the key: the dispatcher hands a mode a new ``torch.Generator`` object
+for the same generator, so generators are told apart by the C++ generator they wrap
+(``_cdata``). With ``preserve_rng_state=False`` nothing is replayed, as for the default
+generators. The graph engine replays each random op from the state of the generator it names,
+so it needs none of this.
 """
 
 from __future__ import annotations
@@ -101,6 +128,49 @@ def _autocast(device_types: tuple[str, ...]) -> tuple[_Autocast, ...]:
     )
 
 
+def generator_key(generator: torch.Generator) -> int:
+    """The C++ generator ``generator`` wraps: [ Explicit generators ]."""
+    return int(generator._cdata)  # type: ignore[attr-defined]
+
+
+def is_default_generator(generator: torch.Generator) -> bool:
+    """Whether ``generator`` is one of PyTorch's default generators (the CPU's or an
+    accelerator device's), which :class:`Generators` captures."""
+    key = generator_key(generator)
+    if generator.device.type == "cpu":
+        return key == generator_key(torch.default_generator)
+    module = _accelerator_module(generator.device.type)
+    defaults = getattr(module, "default_generators", ()) if module is not None else ()
+    return any(key == generator_key(d) for d in defaults)
+
+
+# Explicit generators with a state each: [ Explicit generators ].
+GeneratorStates = list[tuple[torch.Generator, torch.Tensor]]
+
+
+def set_generators(states: GeneratorStates) -> GeneratorStates:
+    """Set each generator to its state; the states they had, for setting them back."""
+    before = [(generator, generator.get_state()) for generator, _ in states]
+    for generator, state in states:
+        generator.set_state(state)
+    return before
+
+
+def unlisted_generator(generator: torch.Generator, what: str) -> CheckpointError:
+    """The error for a recompute of a ``what`` that drew from a generator its forward pass
+    did not capture ([ Explicit generators ] 3)."""
+    return CheckpointError(
+        f"remat: the recompute of a {what} drew random numbers from a torch.Generator (on "
+        f"{generator.device}) that its forward pass did not find, so its state could not be "
+        "replayed: the recompute drew other numbers than the forward pass, and the gradients "
+        "would be wrong. remat finds generators among a region's arguments, its modules' "
+        "attributes, closures, default arguments and the globals its code loads: keep the "
+        "generator in one of those places (e.g. self.generator = g on a module inside it), or "
+        "give the region a policy (remat.policies.recompute_everything replays each random op "
+        "from its own generator's state)."
+    )
+
+
 @dataclass(frozen=True)
 class Generators:
     """The states of the CPU generator and of every device of the initialised accelerators."""
@@ -166,6 +236,11 @@ class Ambient:
             default_device=_default_device(),
             continues=continues,
         )
+
+    @property
+    def replays_rng(self) -> bool:
+        """Whether the recompute replays random state (``preserve_rng_state``)."""
+        return self.cpu_rng is not None or self.continues
 
     def check_forward_done(self) -> None:
         """Raise if the region initialised an accelerator whose generator it could not capture."""

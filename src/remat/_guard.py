@@ -99,6 +99,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._ambient import generator_key, is_default_generator
 from ._aten import op_info
 from ._aten import storage_key as _storage_key
 from ._dispatch import EagerMode
@@ -110,6 +111,13 @@ __all__: list[str] = []
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 
 
+# Where a walk records what it finds: tensors by id, the modules and functions walked by id, and
+# the generators by the C++ generator they wrap (one generator may have several Python objects).
+_Found = dict[int, torch.Tensor]
+_Seen = dict[int, Any]
+_Generators = dict[int, torch.Generator]
+
+
 class Reachable:
     """The tensors a region can reach and their versions; see [ When the guard runs ] 1.
 
@@ -119,7 +127,7 @@ class Reachable:
     region call instead of two.
     """
 
-    __slots__ = ("n_own", "tensors", "versions", "walked")
+    __slots__ = ("generators", "n_own", "tensors", "versions", "walked")
 
     def __init__(
         self,
@@ -128,10 +136,11 @@ class Reachable:
         kwargs: Any,
         own: list[weakref.ref[torch.Tensor]] | None = None,
     ) -> None:
-        found: dict[int, torch.Tensor] = {}
-        seen: dict[int, Any] = {}  # the modules and functions walked, by id
+        found: _Found = {}
+        seen: _Seen = {}
+        generators: _Generators = {}
         if own is None:
-            _visit_function(function, found, seen)
+            _visit_function(function, found, seen, generators)
         else:
             for ref in own:
                 t = ref()
@@ -139,10 +148,13 @@ class Reachable:
                     found[id(t)] = t
         self.n_own = len(found)
         for value in args:
-            _visit(value, found, seen, 2)
+            _visit(value, found, seen, generators, 2)
         for value in kwargs.values():
-            _visit(value, found, seen, 2)
+            _visit(value, found, seen, generators, 2)
         self.tensors = list(found.values())
+        # The ``torch.Generator`` objects found in the same places, but PyTorch's default
+        # ones, which ``_ambient`` replays: see [ Explicit generators ] in _ambient.py.
+        self.generators = [g for g in generators.values() if not is_default_generator(g)]
         self.versions = [t._version for t in self.tensors]
         # The modules and functions walked (the function's own only when ``own`` is None), by
         # id: ``_reads.Reads`` notes the modules' state after a forward pass.
@@ -162,21 +174,35 @@ class Reachable:
         return [t for t, v in zip(self.tensors, self.versions, strict=True) if t._version != v]
 
 
-def _visit(value: Any, found: dict[int, torch.Tensor], seen: dict[int, Any], depth: int) -> None:
-    """Record the tensors in ``value``: itself, the modules' state, containers ``depth`` deep."""
+def generators_in(*values: Any) -> list[torch.Generator]:
+    """The explicit generators that ``values`` reach, found as :class:`Reachable` finds them
+    (see [ Explicit generators ] in _ambient.py)."""
+    found: _Found = {}
+    seen: _Seen = {}
+    generators: _Generators = {}
+    for value in values:
+        _visit(value, found, seen, generators, 2)
+    return [g for g in generators.values() if not is_default_generator(g)]
+
+
+def _visit(value: Any, found: _Found, seen: _Seen, generators: _Generators, depth: int) -> None:
+    """Record the tensors in ``value``: itself, the modules' state, containers ``depth`` deep;
+    and the generators in the same places."""
     if isinstance(value, torch.Tensor):
         found[id(value)] = value
     elif isinstance(value, nn.Module):
-        _visit_module(value, found, seen)
+        _visit_module(value, found, seen, generators)
     elif depth > 0 and isinstance(value, (list, tuple)):
         for item in value:
-            _visit(item, found, seen, depth - 1)
+            _visit(item, found, seen, generators, depth - 1)
     elif depth > 0 and isinstance(value, dict):
         for item in value.values():
-            _visit(item, found, seen, depth - 1)
+            _visit(item, found, seen, generators, depth - 1)
+    elif type(value) is torch.Generator:  # ``isinstance`` runs a metaclass hook: slow
+        generators[generator_key(value)] = value
 
 
-def _visit_module(root: nn.Module, found: dict[int, torch.Tensor], seen: dict[int, Any]) -> None:
+def _visit_module(root: nn.Module, found: _Found, seen: _Seen, generators: _Generators) -> None:
     """Parameters, buffers and tensor attributes of ``root`` and its submodules, and what their
     ``forward`` functions reach."""
     stack = [root]
@@ -196,41 +222,45 @@ def _visit_module(root: nn.Module, found: dict[int, torch.Tensor], seen: dict[in
         if len(state) > len(_MODULE_INTERNALS):  # else it holds nothing but the internals
             for name in state.keys() - _MODULE_INTERNALS:
                 attribute = state[name]
-                if isinstance(attribute, (torch.Tensor, list, tuple, dict)):
-                    _visit(attribute, found, seen, 1)
-        _visit_code(type(module).forward, found, seen)
+                if (
+                    isinstance(attribute, (torch.Tensor, list, tuple, dict))
+                    or type(attribute) is torch.Generator
+                ):
+                    _visit(attribute, found, seen, generators, 1)
+        _visit_code(type(module).forward, found, seen, generators)
 
 
-def _visit_function(function: Any, found: dict[int, torch.Tensor], seen: dict[int, Any]) -> None:
+def _visit_function(function: Any, found: _Found, seen: _Seen, generators: _Generators) -> None:
     if isinstance(function, functools.partial):
         for value in (*function.args, *function.keywords.values()):
-            _visit(value, found, seen, 2)
+            _visit(value, found, seen, generators, 2)
         function = function.func
     if isinstance(function, types.MethodType):
-        _visit(function.__self__, found, seen, 2)
+        _visit(function.__self__, found, seen, generators, 2)
         function = function.__func__
     if isinstance(function, nn.Module):
-        _visit_module(function, found, seen)
+        _visit_module(function, found, seen, generators)
     else:
-        _visit_code(function, found, seen)
+        _visit_code(function, found, seen, generators)
 
 
-def _visit_code(function: Any, found: dict[int, torch.Tensor], seen: dict[int, Any]) -> None:
-    """The tensors a Python function's closure and defaults hold, and the tensors and modules
-    its code names as globals (global containers are left to [ When the guard runs ] 2)."""
+def _visit_code(function: Any, found: _Found, seen: _Seen, generators: _Generators) -> None:
+    """The tensors a Python function's closure and defaults hold, and the tensors, modules and
+    generators its code names as globals (global containers are left to [ When the guard
+    runs ] 2)."""
     if type(function) is not types.FunctionType or id(function) in seen:
         return
     seen[id(function)] = function
     for cell in function.__closure__ or ():
         with contextlib.suppress(ValueError):  # an empty cell raises
-            _visit(cell.cell_contents, found, seen, 2)
+            _visit(cell.cell_contents, found, seen, generators, 2)
     for value in function.__defaults__ or ():
-        _visit(value, found, seen, 2)
+        _visit(value, found, seen, generators, 2)
     names = function.__globals__
     for name in _global_names(function.__code__):
         value = names.get(name)
-        if isinstance(value, (torch.Tensor, nn.Module)):
-            _visit(value, found, seen, 0)
+        if isinstance(value, (torch.Tensor, nn.Module)) or type(value) is torch.Generator:
+            _visit(value, found, seen, generators, 0)
 
 
 # Code object id -> (the code object, kept alive so that its id is not reused; the names it
@@ -398,10 +428,19 @@ _set_versions = _version_setter()
 
 
 class WriteGuard(EagerMode):
-    """Redirect writes to external tensors onto throwaway copies; see [ State mutates once ]."""
+    """Redirect writes to external tensors onto throwaway copies; see [ State mutates once ].
 
-    def __init__(self, expected: list[torch.Tensor] | None = None) -> None:
+    ``generators``: the explicit generators the recompute replays, by the C++ generator they
+    wrap; a random op that draws from another one (not a default generator) is noted in
+    ``unlisted`` ([ Explicit generators ] 3 in _ambient.py). ``None``: nothing is replayed,
+    nothing is noted."""
+
+    def __init__(
+        self, expected: list[torch.Tensor] | None = None, generators: set[int] | None = None
+    ) -> None:
         super().__init__()
+        self._generators = generators
+        self.unlisted: torch.Generator | None = None
         self._fresh: set[int] = set()
         self.redirected = 0
         # The storages a write may go to and be undone (``None``: not known), the writes to
@@ -430,6 +469,9 @@ class WriteGuard(EagerMode):
         if kwargs is None:
             kwargs = {}
         info = op_info(func)
+        generator, listed = kwargs.get("generator"), self._generators
+        if generator is not None and listed is not None:
+            self._note_generator(generator, listed)
         if self._written and not self.reread:
             self.reread = any(self._storage_written(v) for v in (*args, *kwargs.values()))
         if info.writes:
@@ -443,6 +485,14 @@ class WriteGuard(EagerMode):
             else:
                 self._register(out, info.fresh)
         return out
+
+    def _note_generator(self, generator: torch.Generator, listed: set[int]) -> None:
+        if (
+            self.unlisted is None
+            and generator_key(generator) not in listed
+            and not is_default_generator(generator)
+        ):
+            self.unlisted = generator
 
     def _is_external(self, value: Any) -> bool:
         if not isinstance(value, torch.Tensor):

@@ -79,7 +79,15 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _state
-from ._ambient import Ambient, Generators, restoring_rng
+from ._ambient import (
+    Ambient,
+    Generators,
+    GeneratorStates,
+    generator_key,
+    restoring_rng,
+    set_generators,
+    unlisted_generator,
+)
 from ._dispatch import EagerMode
 from ._guard import (
     Reachable,
@@ -194,6 +202,7 @@ class _Call:
         "ambient",
         "args",
         "function",
+        "generators",
         "input_node",
         "keys",
         "kwargs",
@@ -238,6 +247,9 @@ class _Call:
         # What the forward pass read from the modules, for the recompute to read again: see
         # [ A recompute reads what its forward pass read ] in _reads.py; None when not walked.
         self.reads: Reads | None = None
+        # The explicit generators the function reaches, with their states when its forward
+        # pass started: see [ Explicit generators ] in _ambient.py.
+        self.generators: GeneratorStates = []
         self.keys = identities(function, args)
 
     def inputs(self, previous: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -322,11 +334,13 @@ class _Frame:
             forward_context,
             log,
         ):
-            # Inside a recompute, a guard around this forward pass may hide its writes from the
-            # version counters: then its own recompute is guarded too.
-            reach = Reachable(call.function, args, kwargs) if not _state.state.recomputing else None
+            reach = Reachable(call.function, args, kwargs)
+            if reach.generators and call.ambient.replays_rng:
+                call.generators = [(g, g.get_state()) for g in reach.generators]
             out = call.function(*args, **kwargs)
-        if reach is not None:
+        # Inside a recompute, a guard around this forward pass may hide its writes from the
+        # version counters: then its own recompute is guarded too.
+        if not _state.state.recomputing:
             written = reach.changed()
             call.wrote = bool(written)
             call.undoable = call.wrote and undoable(written, saved)
@@ -442,6 +456,9 @@ class _Frame:
         undo: Undo | None = None
         guard: WriteGuard | None = None
         state: list[torch.Tensor] | None = None
+        # The generators a guarded recompute may draw from: [ Explicit generators ] 3.
+        replays = call.ambient.replays_rng
+        listed = {generator_key(g) for g, _ in call.generators} if replays else None
         if call.wrote:
             if call.undoable:
                 reach = Reachable(call.function, args, kwargs, call.reached)
@@ -449,9 +466,9 @@ class _Frame:
             if state is not None and may_undo(call.keys):
                 undo = Undo(state)
             else:
-                reach, guard = None, WriteGuard(state)
+                reach, guard = None, WriteGuard(state, listed)
         elif needs_guard(call.keys):
-            guard = WriteGuard([])
+            guard = WriteGuard([], listed)
         else:
             reach = Reachable(call.function, args, kwargs, call.reached)
         changed: list[torch.Tensor] = []
@@ -462,6 +479,7 @@ class _Frame:
         if reads is not None:
             reads.check()
             bound = reads.bind()
+        drawn = set_generators(call.generators) if call.generators else None
         try:
             try:
                 with (
@@ -483,8 +501,12 @@ class _Frame:
                         undo.close()
                     if bound is not None:
                         Reads.unbind(bound)
+                    if drawn is not None:
+                        set_generators(drawn)
         except _StopRecompute:
             stopped = True
+        if guard is not None and guard.unlisted is not None:
+            raise unlisted_generator(guard.unlisted, "checkpointed region")
         if guard is not None and not call.wrote:
             verified(call.keys, guard.redirected > 0)
         elif guard is not None and state is not None:
@@ -650,7 +672,9 @@ def checkpoint(
 
     Random ops and threads: the replay draws from the generator state that the forward pass
     captured, the state at region entry (without a policy) or before each random op (with
-    one: consecutive random ops replay from the first one's state). PyTorch's default
+    one: consecutive random ops replay from the first one's state). That holds for PyTorch's
+    default generators and for the ``torch.Generator`` objects the region reaches (see NOTE
+    [ Explicit generators ] in ``_ambient.py``). PyTorch's default
     generators are shared by all threads of the process: if another thread draws from one
     between the capture and the region's draw (without a policy, anywhere in the region's
     forward pass; with one, between two random ops of the region), or while backward replays

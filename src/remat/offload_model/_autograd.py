@@ -17,8 +17,14 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .. import _state
-from .._ambient import Ambient
-from .._guard import WriteGuard
+from .._ambient import (
+    Ambient,
+    GeneratorStates,
+    generator_key,
+    set_generators,
+    unlisted_generator,
+)
+from .._guard import WriteGuard, generators_in
 from ..errors import RematError
 from ._slices import Slice
 from ._stand_ins import internal
@@ -79,7 +85,9 @@ class Pass:
         self.keep = keep_activations
         n = len(slices)
         self.inputs: list[list[Stored]] = [[] for _ in range(n)]
-        self.ambients: list[list[Ambient]] = [[] for _ in range(n)]
+        # Per slice and micro-batch, the state its forward pass ran under: the ambient state
+        # and the explicit generators of its modules ([ Explicit generators ] in _ambient.py).
+        self.ambients: list[list[tuple[Ambient, GeneratorStates]]] = [[] for _ in range(n)]
         self.kept: list[list[_Kept] | None] = [[] for _ in range(n)]
         self.rows: list[list[int]] = [[] for _ in range(n)]
         self.pending: dict[int, tuple[Stored | None, list[int]]] = {}
@@ -122,12 +130,13 @@ class Pass:
         # See [ Life of a slice in one training step ] step 2.
         self.inputs[sl.index].append(self.place.store([xm.clone() if self.place.in_place else xm]))
         ambient = Ambient.capture(preserve_rng_state=True)
+        explicit = [(g, g.get_state()) for g in generators_in(sl.modules)]
         with torch.enable_grad():
             # As in the reference and in the recompute: some kernels choose their algorithm by
             # whether autograd records (attention backends), so forward records too.
             out = checked(sl.run(xm.detach().requires_grad_(input_grad)), sl, self.microbatches)
         ambient.check_forward_done()
-        self.ambients[sl.index].append(ambient)
+        self.ambients[sl.index].append((ambient, explicit))
         return out.detach()
 
     def _forward_kept(self, sl: Slice, xm: torch.Tensor, input_grad: bool) -> torch.Tensor:
@@ -233,13 +242,17 @@ class Pass:
         if m > 0:
             inputs[m - 1].prefetch(self.device)
         xm = inputs[m].load(self.device)[0].detach().requires_grad_(input_grad)
-        with (
-            torch.enable_grad(),
-            _state.recomputing(),
-            self.ambients[sl.index][m].replay(),
-            WriteGuard(),
-        ):
-            out = checked(sl.run(xm), sl, self.microbatches)
+        ambient, explicit = self.ambients[sl.index][m]
+        guard = WriteGuard(generators={generator_key(g) for g, _ in explicit})
+        drawn = set_generators(explicit) if explicit else None
+        try:
+            with torch.enable_grad(), _state.recomputing(), ambient.replay(), guard:
+                out = checked(sl.run(xm), sl, self.microbatches)
+        finally:
+            if drawn is not None:
+                set_generators(drawn)
+        if guard.unlisted is not None:
+            raise unlisted_generator(guard.unlisted, "slice of an OffloadModel")
         wanted: list[torch.Tensor] = [sl.params[i] for i in trainable]
         if input_grad:
             wanted.insert(0, xm)

@@ -47,7 +47,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import modules
+from .._ambient import set_generators
 from .._compile import uncompiled
+from .._guard import generators_in
 from ..errors import NoPlanFits, RematError
 from ._autocast import Autocast, loop_forward, outside
 from ._budget import fmt_bytes, parse_budget
@@ -718,9 +720,11 @@ def _uses(o: Option) -> set[str]:
 
 @contextlib.contextmanager
 def _as_found(model: nn.Module) -> Iterator[None]:
-    """Planning leaves the model as it found it: buffers (BatchNorm statistics), gradients and
-    the CPU random generator are put back on the way out."""
+    """Planning leaves the model as it found it: buffers (BatchNorm statistics), gradients,
+    the CPU random generator and the generators the model holds (see [ Explicit generators ]
+    in _ambient.py) are put back on the way out."""
     rng = torch.get_rng_state()
+    explicit = [(g, g.get_state()) for g in generators_in(model)]
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     grads = {
         n: (p.grad.detach().clone() if p.grad is not None else None)
@@ -730,6 +734,7 @@ def _as_found(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         torch.set_rng_state(rng)
+        set_generators(explicit)
         with torch.no_grad():
             for n, b in model.named_buffers():
                 if n in buffers:
