@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
+from remat.checkpoint import LinkedCalls
 
 from helpers import (
     assert_equal,
@@ -992,3 +993,43 @@ def test_a_chain_of_regions_holds_no_more_than_torch_checkpoint(engine: str) -> 
         step()
         peaks[kind] = peak_step_bytes(step, torch.device("cpu"))
     assert peaks["remat"] <= peaks["torch"], peaks
+
+
+_TRANSFORMS = {
+    "grad": lambda f, x: torch.func.grad(f)(x),
+    "vmap": lambda f, x: torch.func.vmap(f)(x),
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1],
+}
+
+
+# torch.func.jvp's first call imports code that calls torch.jit.script, which warns.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("transform", sorted(_TRANSFORMS))
+@pytest.mark.parametrize("engine", ["region", "graph", "linked", "with-region"])
+def test_torch_func_transforms_raise_and_disable_checkpointing_runs_plainly(
+    transform: str, engine: str
+) -> None:
+    """A recompute runs in backward, outside the transform that made the region's tensors:
+    a region inside ``torch.func`` raises, naming the transform and the way out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    chain = LinkedCalls()
+
+    def wrapped(x: torch.Tensor) -> torch.Tensor:
+        if engine == "region":
+            out = remat.checkpoint(model, x)
+        elif engine == "graph":
+            out = remat.checkpoint(model, x, policy=remat.policies.save_matmuls)
+        elif engine == "linked":
+            out = chain.run(0, model, (x,), {}, last=True)
+        else:
+            with remat.region(policy=remat.policies.recompute_everything):
+                out = model(x)
+        return out.sum()
+
+    x = torch.randn(3, 4)
+    run = _TRANSFORMS[transform]
+    with pytest.raises(remat.RematError, match=f"inside torch.func.{transform}.*disable_checkp"):
+        run(wrapped, x)
+    with remat.disable_checkpointing():
+        assert torch.equal(run(wrapped, x), run(lambda t: model(t).sum(), x))

@@ -16,6 +16,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from .errors import RematError
+
 __all__ = ["disable_checkpointing", "is_checkpointing", "is_recomputing"]
 
 
@@ -43,6 +45,24 @@ class _State(threading.local):
 
 
 state = _State()
+
+
+def refuse_transforms(what: str) -> None:
+    """Raise inside a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``...): a recompute
+    runs in backward, outside the transform that made the region's tensors, and functorch does
+    not run saved-tensor hooks under its ``grad``. One C call when none is active."""
+    if torch._C._functorch.maybe_current_level() is None:
+        return
+    transform = torch._C._functorch.peek_interpreter_stack()
+    kind = transform.key().name.lower() if transform is not None else "a transform"
+    raise RematError(
+        f"remat: {what} cannot run inside torch.func.{kind}: remat rebuilds a region's "
+        "tensors in backward, outside the transform that made them, and torch.func does not "
+        "support the saved-tensor hooks remat uses. Run the region plainly under the transform "
+        "(wrap that call in `with remat.disable_checkpointing():`, which keeps what it saves), "
+        "or differentiate with torch.autograd (loss.backward(), torch.autograd.grad) instead."
+    )
+
 
 # Ids for reads of saved tensors outside any backward: a fresh negative one each time.
 _made_up_tasks = itertools.count(-2, -1)

@@ -745,6 +745,7 @@ def run_region(
         )
     if not torch.is_grad_enabled() or _state.state.disabled:
         return function(*args, **kwargs)
+    _state.refuse_transforms("a checkpointed region")
     if _compiled(function):
         # See [ Compiled functions inside a region ] in _compile.py.
         from ._compile import CompiledRegion
@@ -855,6 +856,7 @@ class LinkedCalls:
             found = links(returned.outputs(), args, kwargs)
         if not torch.is_grad_enabled() or _state.state.disabled:
             return function(*args, **kwargs)
+        _state.refuse_transforms("a checkpointed region")
         if position > 0 and not found:
             self.broken += 1
         if frame is None or not found:

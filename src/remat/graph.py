@@ -803,5 +803,6 @@ def region(*, policy: Any) -> Iterator[None]:
     if not torch.is_grad_enabled() or _state.state.disabled:
         yield
         return
+    _state.refuse_transforms("remat.region")
     with recording(policy, []):
         yield
