@@ -203,17 +203,20 @@ def test_every_step_replays_with_the_guard_skipped() -> None:
     assert modes == [1, 0, 0]  # the guard in the first recompute only
 
 
+def _one(checkpointed: bool) -> tuple[nn.Module, torch.Generator, torch.Tensor]:
+    """A ``_Held`` block, checkpointed or not, its generator and an input."""
+    torch.manual_seed(0)
+    model = _Held()
+    wrapped = remat.checkpoint_wrapper(model) if checkpointed else model
+    return wrapped, model.generator, torch.randn(4, 8, requires_grad=True)
+
+
 def test_draws_between_forward_and_backward_are_kept() -> None:
     """Code after the forward pass draws from the generator (sampling, augmentation): the
     recompute replays the forward's draw and leaves the generator where that code left it."""
     results = []
     for checkpointed in (False, True):
-        torch.manual_seed(0)
-        model = _Held()
-        if checkpointed:
-            model = remat.checkpoint_wrapper(model)
-        generator = _generators(model)[0]
-        x = torch.randn(4, 8, requires_grad=True)
+        model, generator, x = _one(checkpointed)
         out = model(x)
         sample = torch.rand(3, generator=generator)
         out.sum().backward()
@@ -225,16 +228,12 @@ def test_draws_between_forward_and_backward_are_kept() -> None:
 def test_retain_graph_and_a_second_backward() -> None:
     results = []
     for checkpointed in (False, True):
-        torch.manual_seed(0)
-        model = _Held()
-        if checkpointed:
-            model = remat.checkpoint_wrapper(model)
-        x = torch.randn(4, 8, requires_grad=True)
+        model, generator, x = _one(checkpointed)
         out = model(x)
         out.square().sum().backward(retain_graph=True)
         first = x.grad.clone()
         out.square().sum().backward()
-        results.append((first, x.grad, _generators(model)[0].get_state()))
+        results.append((first, x.grad, generator.get_state()))
     assert_equal(results[0], results[1])
 
 
