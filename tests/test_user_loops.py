@@ -78,6 +78,16 @@ def disk_offload(tier: DiskTier) -> Iterator[None]:
         yield
 
 
+def apply_kind(model: nn.Module, kind: str) -> bool:
+    """Set ``model`` up for ``kind`` if it is one ``remat.apply`` call ("apply", or
+    "graph_policy" with ``save_matmuls``); whether it was."""
+    if kind not in ("apply", "graph_policy"):
+        return False
+    policy = remat.policies.save_matmuls if kind == "graph_policy" else None
+    remat.apply(model, Block, policy=policy)
+    return True
+
+
 def wrapped(
     kind: str, tier: DiskTier
 ) -> tuple[nn.Module, Callable[[], AbstractContextManager[object]]]:
@@ -86,11 +96,7 @@ def wrapped(
         for i in (0, 1):
             remat.checkpoint_wrapper(model[i])
         return model, nullcontext
-    if kind == "apply":
-        remat.apply(model, Block)
-        return model, nullcontext
-    if kind == "graph_policy":
-        remat.apply(model, Block, policy=remat.policies.save_matmuls)
+    if apply_kind(model, kind):
         return model, nullcontext
     if kind == "offload_host":
         return model, lambda: remat.offload("host", min_bytes=0)
@@ -177,11 +183,7 @@ def remat_model(
     """``ddp_model()`` under one of ``DDP_KINDS``, set up before any wrapping; a plan is made
     on this rank's first batch, with ``segments`` or without."""
     model = ddp_model()
-    if kind == "apply":
-        remat.apply(model, Block)
-        return model, None
-    if kind == "graph_policy":
-        remat.apply(model, Block, policy=remat.policies.save_matmuls)
+    if apply_kind(model, kind):
         return model, None
     x, labels = ddp_batch(10 * rank)
     plan = remat.fit(

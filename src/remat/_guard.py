@@ -99,7 +99,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._ambient import generator_key, is_default_generator
+from ._ambient import GeneratorStates, generator_key, is_default_generator
 from ._aten import op_info
 from ._aten import storage_key as _storage_key
 from ._dispatch import EagerMode
@@ -430,16 +430,18 @@ _set_versions = _version_setter()
 class WriteGuard(EagerMode):
     """Redirect writes to external tensors onto throwaway copies; see [ State mutates once ].
 
-    ``generators``: the explicit generators the recompute replays, by the C++ generator they
-    wrap; a random op that draws from another one (not a default generator) is noted in
-    ``unlisted`` ([ Explicit generators ] 3 in _ambient.py). ``None``: nothing is replayed,
-    nothing is noted."""
+    ``generators``: the explicit generators the recompute replays (with their states); a
+    random op that draws from another one (not a default generator) is noted in ``unlisted``
+    ([ Explicit generators ] 3 in _ambient.py). ``None``: nothing is replayed, nothing is
+    noted."""
 
     def __init__(
-        self, expected: list[torch.Tensor] | None = None, generators: set[int] | None = None
+        self,
+        expected: list[torch.Tensor] | None = None,
+        generators: GeneratorStates | None = None,
     ) -> None:
         super().__init__()
-        self._generators = generators
+        self._listed = None if generators is None else {generator_key(g) for g, _ in generators}
         self.unlisted: torch.Generator | None = None
         self._fresh: set[int] = set()
         self.redirected = 0
@@ -469,7 +471,7 @@ class WriteGuard(EagerMode):
         if kwargs is None:
             kwargs = {}
         info = op_info(func)
-        generator, listed = kwargs.get("generator"), self._generators
+        generator, listed = kwargs.get("generator"), self._listed
         if generator is not None and listed is not None:
             self._note_generator(generator, listed)
         if self._written and not self.reread:

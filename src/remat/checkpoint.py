@@ -83,7 +83,6 @@ from ._ambient import (
     Ambient,
     Generators,
     GeneratorStates,
-    generator_key,
     restoring_rng,
     set_generators,
     unlisted_generator,
@@ -457,8 +456,7 @@ class _Frame:
         guard: WriteGuard | None = None
         state: list[torch.Tensor] | None = None
         # The generators a guarded recompute may draw from: [ Explicit generators ] 3.
-        replays = call.ambient.replays_rng
-        listed = {generator_key(g) for g, _ in call.generators} if replays else None
+        listed = call.generators if call.ambient.replays_rng else None
         if call.wrote:
             if call.undoable:
                 reach = Reachable(call.function, args, kwargs, call.reached)

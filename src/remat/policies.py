@@ -218,10 +218,12 @@ def _fields(policy: Any) -> frozenset[str] | None:
         fields = _READS.get(policy)
     except TypeError:  # not weakly referenceable, so not a built-in function
         fields = None
-    if fields is None:  # a built-in class of policies (the planner's, ``_Built``) says it
-        fields = getattr(type(policy), "_remat_reads", None)
-        if isinstance(policy, _Built):
-            fields = policy.reads
+    if fields is None:  # a factory's policy, or a built-in class of them (the planner's)
+        fields = (
+            policy.reads
+            if isinstance(policy, _Built)
+            else getattr(type(policy), "_remat_reads", None)
+        )
     return fields
 
 

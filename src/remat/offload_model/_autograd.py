@@ -20,7 +20,6 @@ from .. import _state
 from .._ambient import (
     Ambient,
     GeneratorStates,
-    generator_key,
     set_generators,
     unlisted_generator,
 )
@@ -243,7 +242,7 @@ class Pass:
             inputs[m - 1].prefetch(self.device)
         xm = inputs[m].load(self.device)[0].detach().requires_grad_(input_grad)
         ambient, explicit = self.ambients[sl.index][m]
-        guard = WriteGuard(generators={generator_key(g) for g, _ in explicit})
+        guard = WriteGuard(generators=explicit)
         drawn = set_generators(explicit) if explicit else None
         try:
             with torch.enable_grad(), _state.recomputing(), ambient.replay(), guard:
