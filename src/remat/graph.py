@@ -144,6 +144,8 @@ class Graph(Replay):
         self.naming = False  # whether module hooks keep ``modules`` (see ``_module_names``)
         self.in_attention = 0
         self.externals: dict[int, list[_External]] = {}
+        # TensorImpl address of an external -> its storage's key, found when a write needs it
+        self.external_storages: dict[int, int | None] = {}
         self._refs: list[Ref] = []
         self.inputs_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self.rng_after: dict[int, dict[int, list[tuple[Any, torch.Tensor | None]]]] = {}
@@ -339,7 +341,27 @@ class Graph(Replay):
                         node_kwargs = {**node_kwargs, name: snapshot}
                 elif self.held:
                     self._before_write(target)
+                if self.externals:
+                    self._snapshot_aliases(target)
         return node_args, node_kwargs
+
+    def _snapshot_aliases(self, target: torch.Tensor) -> None:
+        """Earlier reads of other tensors on the storage ``target`` is about to write (a
+        buffer written through its ``.data``, a view taken before the write) replay from
+        copies taken now: [ Replay identity ] 5 for aliases."""
+        storage = _storage(target)
+        if storage is None:
+            return
+        storages = self.external_storages
+        for key, reads in self.externals.items():
+            known = storages.get(key, False)
+            if known is False:
+                known = storages[key] = _storage(reads[0].tensor)
+            if known != storage or key == _key(target):
+                continue
+            for read in reads:
+                if read.snapshot is None and read.version == read.tensor._version:
+                    read.snapshot = read.tensor.detach().clone()
 
     def _bind(
         self,
@@ -521,6 +543,7 @@ class Graph(Replay):
         self.current = {}
         self.held = {}
         self.externals = {}
+        self.external_storages = {}
         for store in self.stores:  # a failed write raises here, before backward
             store.flush()
         self.stores = set()
