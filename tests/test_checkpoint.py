@@ -564,15 +564,22 @@ def test_batchnorm_blocks_in_a_users_loop_with_save_and_resume(tmp_path: Any) ->
 
     x = torch.randn(8, 4)
     model = build(True)
-    undone: list[int] = []
-    original = remat._guard.Undo.close
+    recomputes: list[str] = []
+    close, enter = remat._guard.Undo.close, remat._guard.WriteGuard.__enter__
+    guarded = [False]
 
-    def close(self: Any) -> None:
-        undone.append(1)
-        original(self)
+    def closing(self: Any) -> None:  # after each recompute
+        recomputes.append("guarded" if guarded[0] else "undone")
+        guarded[0] = False
+        close(self)
+
+    def entering(self: Any) -> Any:
+        guarded[0] = True
+        return enter(self)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(remat._guard.Undo, "close", close)
+        patch.setattr(remat._guard.Undo, "close", closing)
+        patch.setattr(remat._guard.WriteGuard, "__enter__", entering)
         assert_save_and_resume_exact(
             model,
             build(False),
@@ -580,17 +587,26 @@ def test_batchnorm_blocks_in_a_users_loop_with_save_and_resume(tmp_path: Any) ->
             lambda m: m(x).square().mean(),
             tmp_path,
         )
-    # Each block's first recompute is guarded: the model's second step undoes both blocks'
-    # writes; the resumed model (new blocks) runs one step, guarded.
-    assert len(undone) == 2
+    # Each block's first recompute is guarded, from the snapshot of [ State read, then
+    # written ]; the model's second step undoes both blocks' writes with no guard; the resumed
+    # model (new blocks) runs one step, guarded.
+    assert recomputes == ["guarded"] * 2 + ["undone"] * 2 + ["guarded"] * 2
 
 
-def test_batchnorm_without_momentum_reads_its_count_back_and_stays_guarded() -> None:
-    # ``momentum=None`` reads ``num_batches_tracked`` after writing it: undoing would let the
-    # recompute read the count written twice, so every recompute runs guarded.
+def test_batchnorm_without_momentum_reads_its_count_back_from_a_snapshot() -> None:
+    # ``momentum=None`` reads ``num_batches_tracked`` after writing it. Its forward passes
+    # snapshot the block's state, and its recomputes start from that snapshot: the count they
+    # read back is the forward pass's, with no guard after the first ([ State read, then
+    # written ]).
+    torch.manual_seed(0)
     block = _batchnorm_block(momentum=None)
-    assert _modes_in_recompute(block, 3, _leaf(8, 4)) == [1, 1, 1]
-    assert int(block[1].num_batches_tracked) == 3
+    plain = copy.deepcopy(block)
+    x = _leaf(8, 4)
+    assert _modes_in_recompute(block, 3, x) == [1, 0, 0]
+    for _ in range(3):
+        plain(x).sum().backward()
+    for a, b in zip(block.buffers(), plain.buffers(), strict=True):
+        assert torch.equal(a, b) and a._version == b._version
 
 
 class _Calls(nn.Module):
@@ -609,14 +625,15 @@ class _Calls(nn.Module):
         return (y * self.calls if self.scaled else y).sin()
 
 
-def test_state_read_after_its_write_keeps_the_guard() -> None:
-    # Undone writes would let the recompute read the count written twice: wrong gradients.
+def test_state_read_after_its_write_is_replayed_from_a_snapshot() -> None:
+    # Undone writes alone would let the recompute read the count written twice; starting
+    # from the forward pass's snapshot, it reads the count the forward pass read.
     torch.manual_seed(0)
     model = _Calls(scaled=True)
     wrapped = remat.checkpoint_wrapper(copy.deepcopy(model))
     batches = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(3)]
     assert_records_equal(train(model, batches, F.mse_loss), train(wrapped, batches, F.mse_loss))
-    assert _modes_in_recompute(_Calls(scaled=True), 3, _leaf(2, 4)) == [1, 1, 1]
+    assert _modes_in_recompute(_Calls(scaled=True), 3, _leaf(2, 4)) == [1, 0, 0]
 
 
 def test_undone_writes_pass_autograd_version_check_of_a_later_save() -> None:

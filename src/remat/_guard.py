@@ -72,18 +72,53 @@ overwrote. That gives what the guard gives when
    and copies them back after it, whether it ran to the end, stopped early or raised, and sets
    their version counters back, so that autograd's check of a tensor saved after the forward
    pass's write still passes and nothing after the step can tell the recompute ran;
-5. *it reads no state after writing it.* Under the guard an op that reads a written tensor
-   sees the value the forward pass left; once the write has landed it would see the written
-   one. A guarded recompute notes every op that takes an argument whose storage an earlier op
-   of the same recompute wrote (``WriteGuard.reread``; a second write counts). BatchNorm with
-   a ``momentum`` passes: ``num_batches_tracked`` is written and never read; with
-   ``momentum=None`` it is read back, and such a block stays guarded.
+5. *it reads no state after writing it*, or it starts from a snapshot (see [ State read,
+   then written ]). Under the guard an op that reads a written tensor sees the value the
+   forward pass left; once the write has landed it would see the written one. A guarded
+   recompute notes every op that takes an argument whose storage an earlier op of the same
+   recompute wrote (``WriteGuard.reread``; a second write counts). BatchNorm with a
+   ``momentum`` passes: ``num_batches_tracked`` is written and never read.
 
 Both are learnt as 2 is: from the guarded first recompute of the function (and of each module
 among its arguments) whose forward pass wrote, which notes writes outside the state of 4
 (``WriteGuard.hidden``) and reads after writes. The case left open is the one 2 leaves: a
 function that does either only on some later call, which ``remat.is_recomputing()`` closes.
 The cost is two copies of the state per recompute (BatchNorm's: three small tensors).
+
+NOTE [ State read, then written ]
+
+A region may read state and then update it in the same forward pass: a running normaliser
+subtracts ``self.mean`` and then moves it, an EMA codebook quantises with ``self.codebook``
+and then updates it, a block scales by ``self.step`` and then counts the step, BatchNorm with
+``momentum=None`` divides by the count it has just incremented. By backward the forward
+pass's write has landed, so a recompute that reads the live state builds other activations
+than the forward pass did, and the gradients are wrong with no error (torch's checkpoint
+does this). Neither the guard nor an undo helps: both start the recompute from the state as
+the forward pass left it.
+
+So the recompute starts from the state as the forward pass found it:
+
+1. *Snapshot.* A forward pass keyed like [ When the guard runs ] 2 copies the state it
+   reaches (the tensors of [ Writes undone ] 4, at most ``UNDO_LIMIT`` bytes) before it runs,
+   when the function has not had a guarded recompute yet or one showed it reading state that
+   the region writes. The copy is an :class:`Undo`, held by the call until its recompute.
+2. *Replay.* The recompute copies the live state (another ``Undo``), loads the snapshot, runs
+   with its writes landing on the state (the guard, when it runs, redirects only writes
+   outside the state), and puts the live state and its versions back. Every read, before or
+   after a write, sees what the forward pass saw, and the state ends as it was.
+3. *Learning.* A guarded recompute notes the storages it reads (arguments an op does not
+   write; view ops read no values, the ops on the view do) and those written, by the forward
+   pass (its versions moved) or by the recompute itself. A storage both read and written sets
+   ``WriteGuard.reads_written``, and the function's later forward passes snapshot. Without a
+   snapshot (state over ``UNDO_LIMIT``, or the data-dependent case that 2 of [ When the guard
+   runs ] leaves open), a read before the write is ``WriteGuard.stale`` and the recompute
+   raises rather than build other activations.
+
+The guarded recompute also gives ``_reads.Reads`` the tensors it read (``WriteGuard.read``),
+so that a buffer written in place between forward and backward by something outside the
+region raises, as plain autograd does for the tensors it saved. The cost falls on the
+functions that write state: a BatchNorm block with a ``momentum`` snapshots once, in its first
+forward pass; one that reads its state back, in every forward pass.
 """
 
 from __future__ import annotations
@@ -100,7 +135,7 @@ import torch
 from torch import nn
 
 from ._ambient import GeneratorStates, generator_key, is_default_generator
-from ._aten import op_info
+from ._aten import OpInfo, op_info
 from ._aten import storage_key as _storage_key
 from ._dispatch import EagerMode
 
@@ -296,6 +331,9 @@ _verified: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 # Functions and modules whose recomputes may write and be undone: ``True`` while every guarded
 # recompute of a forward pass that wrote showed only undoable writes (see [ Writes undone ]).
 _undoable: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+# Functions and modules whose guarded recomputes read state that the region writes: ``True``
+# once one did (see [ State read, then written ]); absent until one ran.
+_reads_written: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def identities(function: Any, args: tuple[Any, ...]) -> list[Any]:
@@ -338,6 +376,18 @@ def verified(keys: list[Any], hid_write: bool) -> None:
             _verified[key] = _verified.get(key, False) or hid_write
 
 
+def wants_snapshot(keys: list[Any]) -> bool:
+    """Whether a forward pass keyed ``keys`` snapshots the state it reaches ([ State read,
+    then written ]): one of them was never recomputed guarded, or read state it writes."""
+    return any(key is None or _reads_written.get(key, True) for key in keys)
+
+
+def may_undo_unsnapshotted(keys: list[Any]) -> bool:
+    """Whether a recompute keyed ``keys`` without a snapshot may write and be undone: guarded
+    recomputes showed that it is safe, and that it reads none of the state it writes."""
+    return may_undo(keys) and not any(_reads_written.get(key, True) for key in keys)
+
+
 def may_undo(keys: list[Any]) -> bool:
     """Whether a recompute keyed ``keys`` may write and have its writes undone: guarded
     recomputes showed that it is safe ([ Writes undone ] 4 and 5)."""
@@ -346,11 +396,20 @@ def may_undo(keys: list[Any]) -> bool:
 
 def learned_undo(keys: list[Any], guard: WriteGuard) -> None:
     """Remember whether a guarded recompute keyed ``keys``, whose forward pass wrote, showed
-    writes that can be undone: to its state only, none read back."""
-    ok = guard.hidden == 0 and not guard.reread
+    writes that can be undone: to its state only, and none read back unless the writes
+    landed on the snapshot of [ State read, then written ]."""
+    ok = guard.hidden == 0 and (guard.lands or not guard.reread)
     for key in keys:
         if key is not None:
             _undoable[key] = _undoable.get(key, True) and ok
+
+
+def learned_reads(keys: list[Any], guard: WriteGuard) -> None:
+    """Remember whether a guarded recompute keyed ``keys`` read state that the region writes
+    ([ State read, then written ])."""
+    for key in keys:
+        if key is not None:
+            _reads_written[key] = _reads_written.get(key, False) or guard.reads_written
 
 
 def _state(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -393,10 +452,15 @@ class Undo:
             storages.setdefault(int(storage._cdata), storage)
         self.copies = [(s, s.clone()) for s in storages.values()]  # type: ignore[no-untyped-call]
 
-    def close(self) -> None:
+    def load(self) -> None:
+        """Put the copied values back in the storages, leaving the versions as they are."""
         with torch.no_grad():
             for storage, copy in self.copies:
                 storage.copy_(copy)
+
+    def close(self) -> None:
+        """Put the copied values and versions back."""
+        self.load()
         assert _set_versions is not None  # see ``undoable``
         _set_versions(self.tensors, self.versions)
 
@@ -433,14 +497,32 @@ class WriteGuard(EagerMode):
     ``generators``: the explicit generators the recompute replays (with their states); a
     random op that draws from another one (not a default generator) is noted in ``unlisted``
     ([ Explicit generators ] 3 in _ambient.py). ``None``: nothing is replayed, nothing is
-    noted."""
+    noted.
+
+    ``lands``: writes to the storages of ``expected`` land instead of going to copies (an
+    ``Undo`` puts them back after the recompute, which started from the forward pass's
+    snapshot: [ State read, then written ]). ``state``: the tensors the region reaches, and
+    ``written``: those the forward pass was seen to write. Reads of their storages that the
+    forward pass or the recompute also writes set ``reads_written``; a read before the write
+    is noted in ``stale``, unless writes land."""
 
     def __init__(
         self,
         expected: list[torch.Tensor] | None = None,
         generators: GeneratorStates | None = None,
+        lands: bool = False,
+        state: list[torch.Tensor] | None = None,
+        written: list[torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
+        self.lands = lands
+        self._written_before = {_storage_key(t) for t in written or ()} - {None}
+        self._state = {_storage_key(t) for t in (*(state or ()), *(written or ()))} - {None}
+        self.reads_written = False
+        self.stale: torch.Tensor | None = None
+        self.landed = 0
+        # External storages read before this recompute wrote them, with the tensor read.
+        self._read_unwritten: dict[int, torch.Tensor] = {}
         self._listed = None if generators is None else {generator_key(g) for g, _ in generators}
         self.unlisted: torch.Generator | None = None
         self._fresh: set[int] = set()
@@ -451,12 +533,22 @@ class WriteGuard(EagerMode):
         self.hidden = 0
         self._written: set[int] = set()
         self.reread = False
+        # The ids of the tensors the ops took as arguments they do not write: what
+        # ``_reads.Reads.learn`` keeps of the state the region reads.
+        self.read: set[int] = set()
         # Autograd bumps the version of a tensor an op writes, even though the write went to a
         # copy: the versions to set back on exit, so that the recompute leaves none changed.
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        # Storages read before being written, by the forward pass or later in the recompute:
+        # the forward pass read them before its write landed ([ State read, then written ]).
+        stale = self._read_unwritten.keys() & (self._written | self._written_before) & self._state
+        if stale:
+            self.reads_written = True
+            if not self.lands:
+                self.stale = self._read_unwritten[min(stale)]
         if self._versions and _set_versions is not None:
             tensors, versions = zip(*self._versions.values(), strict=True)
             _set_versions(list(tensors), list(versions))
@@ -476,6 +568,7 @@ class WriteGuard(EagerMode):
             self._note_generator(generator, listed)
         if self._written and not self.reread:
             self.reread = any(self._storage_written(v) for v in (*args, *kwargs.values()))
+        self._note_reads(info, args, kwargs)
         if info.writes:
             args, kwargs = self._redirect(info.writes, args, kwargs)
         out = func(*args, **kwargs)
@@ -496,6 +589,28 @@ class WriteGuard(EagerMode):
         ):
             self.unlisted = generator
 
+    def _note_reads(self, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        read = self.read
+        skip = [key for write in info.writes for key in write]  # positions and names
+        tensors: list[torch.Tensor] = []
+        for key, value in (*enumerate(args), *kwargs.items()):
+            if key in skip:
+                continue
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif isinstance(value, (list, tuple)):
+                tensors.extend(v for v in value if isinstance(v, torch.Tensor))
+        read.update(map(id, tensors))
+        if info.view_of is not None:  # a view reads no values: the ops on it do
+            return
+        for t in tensors:
+            key = _storage_key(t)
+            if key is not None and key not in self._fresh:
+                if key in self._written and key in self._state:
+                    self.reads_written = True
+                else:
+                    self._read_unwritten.setdefault(key, t)
+
     def _is_external(self, value: Any) -> bool:
         if not isinstance(value, torch.Tensor):
             return False
@@ -509,13 +624,28 @@ class WriteGuard(EagerMode):
         for position, name in writes:
             if position < len(args):
                 value = args[position]
-                if self._is_external(value):
+                if self._is_external(value) and not self._landed(value):
                     if new_args is None:
                         new_args = list(args)
                     new_args[position] = self._copy(value)
-            elif name in kwargs and self._is_external(kwargs[name]):
+            elif (
+                name in kwargs
+                and self._is_external(kwargs[name])
+                and not self._landed(kwargs[name])
+            ):
                 kwargs = {**kwargs, name: self._copy(kwargs[name])}
         return (tuple(new_args) if new_args is not None else args), kwargs
+
+    def _landed(self, t: torch.Tensor) -> bool:
+        """Whether a write to ``t`` lands (see ``lands``), noted as written if so."""
+        if not self.lands:
+            return False
+        key = _storage_key(t)
+        if key is None or self._expected is None or key not in self._expected:
+            return False
+        self._written.add(key)
+        self.landed += 1
+        return True
 
     def _storage_written(self, value: Any) -> bool:
         if isinstance(value, (list, tuple)):

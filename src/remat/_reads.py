@@ -29,16 +29,21 @@ behaves this way in all three cases below.
    differs from the one it had at the end of the forward pass, the recompute raises, naming
    it.
 
+   Buffers and other tensors that need no gradient are checked when the region reads them.
+   What a region reaches is more than what it reads: a BatchNorm in training reaches its
+   running statistics without reading them, and another call of the same module may write
+   them before this one's recompute (a later micro-batch in ``remat.pipe`` updates deferred
+   statistics). The guarded first recompute notes the tensors the region read
+   (``WriteGuard.read``); :meth:`Reads.learn` keeps those that need no gradient, by function,
+   and every check from then on, that one's included, covers them too.
+
    Left out of this check:
-   - tensors the forward pass wrote itself, which the write guard handles (``_guard.py``);
+   - tensors the forward pass wrote itself, which ``_guard.py`` replays (NOTE [ State read,
+     then written ]);
    - the region's tensor arguments, which are saved through autograd, and autograd checks
      them;
-   - buffers and other tensors that need no gradient. What a region reaches is more than
-     what it reads: a BatchNorm in training reaches its running statistics without reading
-     them, and another call of the same module may write them before this one's recompute
-     (a later micro-batch in ``remat.pipe`` updates deferred statistics). A buffer that the
-     recompute does read, written in place between forward and backward by something other
-     than the region, is the case left open.
+   - a buffer the region reads only on some later call (a data-dependent branch), as in
+     NOTE [ When the guard runs ] 2.
 3. *A module switched between train() and eval().* Dropout and BatchNorm compute differently
    in eval mode. The forward pass notes each module's ``training`` flag. A recompute that
    finds another flag sets the forward's while it runs.
@@ -65,6 +70,24 @@ from ._guard import Reachable
 from .errors import CheckpointError
 
 __all__: list[str] = []
+
+
+# Functions and modules (the keys of ``_guard.identities``) -> the tensors outside the region
+# that need no gradient and that a guarded recompute of theirs read, by id, held weakly: the
+# state whose version :meth:`Reads.check` compares ([ A recompute reads what its forward pass
+# read ] 2).
+_read_by: weakref.WeakKeyDictionary[Any, dict[int, weakref.ref[torch.Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _was_read(keys: list[Any], t: torch.Tensor) -> bool:
+    for key in keys:
+        if key is not None:
+            ref = _read_by.get(key, {}).get(id(t))
+            if ref is not None and ref() is t:
+                return True
+    return False
 
 
 class Reads:
@@ -102,28 +125,47 @@ class Reads:
         self.extra = []  # tensors reached through the arguments (a module passed in)
         n = reach.n_own
         for t, v in zip(reach.tensors[n:], reach.versions[n:], strict=True):
-            if id(t) not in skip and t.requires_grad and id(t) not in (self.written or ()):
+            if id(t) not in skip and id(t) not in (self.written or ()):
                 self.extra.append((weakref.ref(t), v))
 
-    def check(self) -> None:
+    def check(self, keys: list[Any]) -> None:
         """Raise when a tensor the forward pass read was written since ([ A recompute reads
-        what its forward pass read ] 2)."""
+        what its forward pass read ] 2); ``keys``: the region's, from ``_guard.identities``."""
         for ref, version in (*zip(self.own, self.versions, strict=False), *self.extra):
             t = ref()
             if (
                 t is not None
                 and t._version != version
-                and t.requires_grad
                 and (self.written is None or id(t) not in self.written)
+                and (t.requires_grad or _was_read(keys, t))
             ):
                 raise CheckpointError(
                     f"remat: the recompute of a checkpointed region would read "
-                    f"{self._describe(t)}, which was modified in place after the forward pass "
+                    f"{self.describe(t)}, which was modified in place after the forward pass "
                     f"(its version was {version}, it is {t._version}). The recompute would "
                     "rebuild other activations and the gradients would be wrong. Run backward "
                     "before modifying it (an optimizer step, an EMA update or a weight clamp "
                     "between forward and backward), or do not checkpoint this region."
                 )
+
+    def learn(self, keys: list[Any], read: set[int]) -> None:
+        """Remember, under each of ``keys``, the reached tensors that need no gradient and
+        that a guarded recompute read (``read``: ``WriteGuard.read``); see [ A recompute reads
+        what its forward pass read ] 2."""
+        found = {}
+        for ref in (*self.own, *(ref for ref, _ in self.extra)):
+            t = ref()
+            if t is not None and not t.requires_grad and id(t) in read:
+                found[id(t)] = ref
+        for key in keys:
+            if key is not None:
+                known = _read_by.get(key)
+                if known is None:
+                    _read_by[key] = found.copy()
+                else:  # forget the tensors that died
+                    known.update(found)
+                    for i in [i for i, r in known.items() if r() is None]:
+                        del known[i]
 
     def bind(self) -> list[tuple[Any, Any]] | None:
         """Put back the forward pass's tensors and ``training`` flags where the modules now
@@ -160,7 +202,7 @@ class Reads:
                 owner.clear()
                 owner.update(value)
 
-    def _describe(self, t: torch.Tensor) -> str:
+    def describe(self, t: torch.Tensor) -> str:
         for i, (table, held) in enumerate(zip(self.tables, self.held, strict=True)):
             for name, bound in zip(table, held, strict=False):
                 if bound is t:

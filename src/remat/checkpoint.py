@@ -89,16 +89,20 @@ from ._ambient import (
 )
 from ._dispatch import EagerMode
 from ._guard import (
+    UNDO_LIMIT,
     Reachable,
     Undo,
     WriteGuard,
     identities,
+    learned_reads,
     learned_undo,
     may_undo,
+    may_undo_unsnapshotted,
     needs_guard,
     undo_state,
     undoable,
     verified,
+    wants_snapshot,
 )
 from ._reads import Reads
 from ._types import ContextFn
@@ -208,8 +212,10 @@ class _Call:
         "links",
         "reached",
         "reads",
+        "snapshot",
         "tensor_args",
         "undoable",
+        "writes",
         "wrote",
     )
 
@@ -240,6 +246,10 @@ class _Call:
         # [ Writes undone ] in _guard.py.
         self.wrote = True
         self.undoable = False
+        # The tensors the forward pass was seen to write, and the state it reached as it was
+        # when it started, for a recompute to start from: [ State read, then written ].
+        self.writes: list[torch.Tensor] = []
+        self.snapshot: Undo | None = None
         # The tensors the function reached in the forward pass, held weakly (what its
         # recompute checks, [ When the guard runs ] 3); None when it was not walked.
         self.reached: list[weakref.ref[torch.Tensor]] | None = None
@@ -327,21 +337,26 @@ class _Frame:
         call.input_node = save_inputs(saved, offload_inputs) if saved else None
         self.calls.append(call)
         log = _OpLog(self.forward_ops) if self.forward_ops is not None else _NO_CONTEXT
+        reach = Reachable(call.function, args, kwargs)
+        if reach.generators and call.ambient.replays_rng:
+            call.generators = [(g, g.get_state()) for g in reach.generators]
+        # Inside a recompute, a guard around this forward pass may hide its writes from the
+        # version counters: then its own recompute is guarded too.
+        recomputing = _state.state.recomputing
+        if not recomputing and wants_snapshot(call.keys):
+            state = undo_state(reach, saved)
+            call.snapshot = Undo(state) if state else None
         with (
             torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack),
             _state.checkpointing(),
             forward_context,
             log,
         ):
-            reach = Reachable(call.function, args, kwargs)
-            if reach.generators and call.ambient.replays_rng:
-                call.generators = [(g, g.get_state()) for g in reach.generators]
             out = call.function(*args, **kwargs)
-        # Inside a recompute, a guard around this forward pass may hide its writes from the
-        # version counters: then its own recompute is guarded too.
-        if not _state.state.recomputing:
+        if not recomputing:
             written = reach.changed()
             call.wrote = bool(written)
+            call.writes = written
             call.undoable = call.wrote and undoable(written, saved)
             call.reached = reach.own_refs()
             # Arguments are checked where autograd saved them (or rebuilt, for links).
@@ -457,16 +472,25 @@ class _Frame:
         state: list[torch.Tensor] | None = None
         # The generators a guarded recompute may draw from: [ Explicit generators ] 3.
         listed = call.generators if call.ambient.replays_rng else None
-        if call.wrote:
+        snapshot = call.snapshot
+        if snapshot is not None:  # see [ State read, then written ] in _guard.py
+            state = snapshot.tensors
+            undo = Undo(state)
+            if may_undo(call.keys):
+                reach = Reachable(call.function, args, kwargs, call.reached)
+            else:
+                guard = WriteGuard(state, listed, True, state, call.writes)
+        elif call.wrote:
             if call.undoable:
                 reach = Reachable(call.function, args, kwargs, call.reached)
                 state = undo_state(reach, _tensors(args, kwargs))
-            if state is not None and may_undo(call.keys):
+            if state is not None and may_undo_unsnapshotted(call.keys):
                 undo = Undo(state)
             else:
-                reach, guard = None, WriteGuard(state, listed)
+                reach = None
+                guard = WriteGuard(state, listed, False, _alive(call.reached), call.writes)
         elif needs_guard(call.keys):
-            guard = WriteGuard([], listed)
+            guard = WriteGuard([], listed, False, _alive(call.reached))
         else:
             reach = Reachable(call.function, args, kwargs, call.reached)
         changed: list[torch.Tensor] = []
@@ -475,9 +499,11 @@ class _Frame:
         reads = call.reads
         bound = None
         if reads is not None:
-            reads.check()
+            reads.check(call.keys)
             bound = reads.bind()
         drawn = set_generators(call.generators) if call.generators else None
+        if snapshot is not None:
+            snapshot.load()
         try:
             try:
                 with (
@@ -505,8 +531,15 @@ class _Frame:
             stopped = True
         if guard is not None and guard.unlisted is not None:
             raise unlisted_generator(guard.unlisted, "checkpointed region")
+        if guard is not None:
+            if reads is not None:  # what it read, checked now and before every later recompute
+                reads.learn(call.keys, guard.read)
+                reads.check(call.keys)
+            learned_reads(call.keys, guard)
+            if guard.stale is not None:
+                raise _stale_read(guard.stale, reads)
         if guard is not None and not call.wrote:
-            verified(call.keys, guard.redirected > 0)
+            verified(call.keys, guard.redirected + guard.landed > 0)
         elif guard is not None and state is not None:
             learned_undo(call.keys, guard)
         undone = {id(t) for t in undo.tensors} if undo is not None else set()
@@ -885,6 +918,22 @@ class LinkedCalls:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LinkedCalls:
         return LinkedCalls(self.options)  # a copy shares no open chain
+
+
+def _alive(refs: list[weakref.ref[torch.Tensor]] | None) -> list[torch.Tensor]:
+    return [t for ref in refs or () if (t := ref()) is not None]
+
+
+def _stale_read(t: torch.Tensor, reads: Reads | None) -> CheckpointError:
+    what = reads.describe(t) if reads is not None else f"a tensor of shape {tuple(t.shape)}"
+    return CheckpointError(
+        f"remat: the recompute of a checkpointed region read {what} before writing it, as its "
+        "forward pass did, but could not start from the value the forward pass read: the "
+        "forward pass wrote it afterwards, and remat took no snapshot of the region's state (it "
+        f"snapshots at most {UNDO_LIMIT} bytes, for regions seen to read state they write). "
+        "The recompute would build other activations and the gradients would be wrong. Keep "
+        "the module that reads and updates this state outside the checkpointed region."
+    )
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
