@@ -23,7 +23,7 @@ from .._ambient import (
     set_generators,
     unlisted_generator,
 )
-from .._guard import WriteGuard, generators_in
+from .._guard import UNDO_LIMIT, Undo, WriteGuard, generators_in, undoable
 from ..errors import RematError
 from ._slices import Slice
 from ._stand_ins import internal
@@ -86,7 +86,7 @@ class Pass:
         self.inputs: list[list[Stored]] = [[] for _ in range(n)]
         # Per slice and micro-batch, the state its forward pass ran under: the ambient state
         # and the explicit generators of its modules ([ Explicit generators ] in _ambient.py).
-        self.ambients: list[list[tuple[Ambient, GeneratorStates]]] = [[] for _ in range(n)]
+        self.ambients: list[list[tuple[Ambient, GeneratorStates, _State]]] = [[] for _ in range(n)]
         self.kept: list[list[_Kept] | None] = [[] for _ in range(n)]
         self.rows: list[list[int]] = [[] for _ in range(n)]
         self.pending: dict[int, tuple[Stored | None, list[int]]] = {}
@@ -130,12 +130,14 @@ class Pass:
         self.inputs[sl.index].append(self.place.store([xm.clone() if self.place.in_place else xm]))
         ambient = Ambient.capture(preserve_rng_state=True)
         explicit = [(g, g.get_state()) for g in generators_in(sl.modules)]
+        state = _State(sl)
         with torch.enable_grad():
             # As in the reference and in the recompute: some kernels choose their algorithm by
             # whether autograd records (attention backends), so forward records too.
             out = checked(sl.run(xm.detach().requires_grad_(input_grad)), sl, self.microbatches)
         ambient.check_forward_done()
-        self.ambients[sl.index].append((ambient, explicit))
+        state.forward_done()
+        self.ambients[sl.index].append((ambient, explicit, state))
         return out.detach()
 
     def _forward_kept(self, sl: Slice, xm: torch.Tensor, input_grad: bool) -> torch.Tensor:
@@ -241,21 +243,35 @@ class Pass:
         if m > 0:
             inputs[m - 1].prefetch(self.device)
         xm = inputs[m].load(self.device)[0].detach().requires_grad_(input_grad)
-        ambient, explicit = self.ambients[sl.index][m]
-        guard = WriteGuard(generators=explicit)
+        ambient, explicit, state = self.ambients[sl.index][m]
+        guard, undo = state.replay(explicit)
         drawn = set_generators(explicit) if explicit else None
         try:
-            with torch.enable_grad(), _state.recomputing(), ambient.replay(), guard:
-                out = checked(sl.run(xm), sl, self.microbatches)
+            try:
+                with torch.enable_grad(), _state.recomputing(), ambient.replay(), guard:
+                    out = checked(sl.run(xm), sl, self.microbatches)
+            finally:
+                if drawn is not None:
+                    set_generators(drawn)
+            if guard.unlisted is not None:
+                raise unlisted_generator(guard.unlisted, "slice of an OffloadModel")
+            if guard.stale is not None:
+                raise RematError(
+                    "remat: OffloadModel(checkpoint_activation=True) recomputes a slice that "
+                    f"reads a buffer of shape {tuple(guard.stale.shape)} before updating it, and "
+                    f"the slice's buffers hold more than {UNDO_LIMIT} bytes, too many to "
+                    "snapshot in forward: the recompute would read the update and the gradients "
+                    "would be wrong. Keep the module that reads and updates this buffer out of "
+                    "the offloaded layers, or use checkpoint_activation=False."
+                )
+            wanted: list[torch.Tensor] = [sl.params[i] for i in trainable]
+            if input_grad:
+                wanted.insert(0, xm)
+            return _grads(out if out.requires_grad else None, wanted, grad, input_grad)
         finally:
-            if drawn is not None:
-                set_generators(drawn)
-        if guard.unlisted is not None:
-            raise unlisted_generator(guard.unlisted, "slice of an OffloadModel")
-        wanted: list[torch.Tensor] = [sl.params[i] for i in trainable]
-        if input_grad:
-            wanted.insert(0, xm)
-        return _grads(out if out.requires_grad else None, wanted, grad, input_grad)
+            # After the rerun's backward, which checks the versions of the buffers it saved.
+            if undo is not None:
+                undo.close()
 
     def _backward_kept(
         self, index: int, m: int, grad: torch.Tensor, input_grad: bool
@@ -276,6 +292,49 @@ class Pass:
         for index, (stored, positions) in self.pending.items():
             self.slices[index].commit_grads(stored, positions)
         self.pending.clear()
+
+
+class _State:
+    """The buffers of a slice as one micro-batch's forward pass found them, for its recompute
+    to start from: NOTE [ State read, then written ] in ``_guard.py``. Buffers are named by
+    module and key, since loading a slice to another device replaces them."""
+
+    def __init__(self, sl: Slice) -> None:
+        self.names = [
+            (owner, name)
+            for module in sl.modules
+            for owner in module.modules()
+            for name, b in owner._buffers.items()
+            if b is not None and not b.requires_grad
+        ]
+        tensors = self.tensors()
+        small = sum(t.numel() * t.element_size() for t in tensors) <= UNDO_LIMIT
+        can = small and undoable(tensors, [])
+        self.snapshot = [t.detach().clone() for t in tensors] if can else None
+        self.versions = [t._version for t in tensors]
+        self.written: list[int] = []
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [owner._buffers[name] for owner, name in self.names]  # type: ignore[misc]
+
+    def forward_done(self) -> None:
+        """Note which buffers the forward pass wrote (their versions moved)."""
+        tensors = self.tensors()
+        pairs = zip(tensors, self.versions, strict=True)
+        self.written = [i for i, (t, v) in enumerate(pairs) if t._version != v]
+
+    def replay(self, generators: GeneratorStates) -> tuple[WriteGuard, Undo | None]:
+        """The guard for the recompute and, with a snapshot, the undo that puts the live
+        buffers back after it; the buffers hold the snapshot until then."""
+        tensors = self.tensors()
+        written = [tensors[i] for i in self.written]
+        if self.snapshot is None:
+            return WriteGuard(None, generators, False, tensors, written), None
+        undo = Undo(tensors)
+        with torch.no_grad():
+            for t, value in zip(tensors, self.snapshot, strict=True):
+                t.copy_(value)
+        return WriteGuard(tensors, generators, True, tensors, written), undo
 
 
 def _grads(
