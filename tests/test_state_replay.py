@@ -37,32 +37,27 @@ class RunningCenter(nn.Module):
         h = self.lin(x)
         y = h - self.mean
         if self.training:
-            with torch.no_grad():
-                self.mean.mul_(0.9).add_(h.mean(0), alpha=0.1)
+            self.update(h.detach().mean(0))
         return torch.tanh(self.drop(y))
+
+    def update(self, mean: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(mean, alpha=0.1)
 
 
 class DataCenter(RunningCenter):
     """The same, written through ``.data``: no version counter moves."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        y = h - self.mean
-        if self.training:
-            self.mean.data.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
-        return torch.tanh(self.drop(y))
+    def update(self, mean: torch.Tensor) -> None:
+        self.mean.data.mul_(0.9).add_(mean, alpha=0.1)
 
 
 class ViewCenter(RunningCenter):
     """The same, written through a view of the buffer."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        y = h - self.mean
-        if self.training:
-            with torch.no_grad():
-                self.mean[:].mul_(0.9).add_(h.mean(0), alpha=0.1)
-        return torch.tanh(self.drop(y))
+    def update(self, mean: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.mean[:].mul_(0.9).add_(mean, alpha=0.1)
 
 
 class StepScale(nn.Module):
