@@ -382,12 +382,6 @@ def wants_snapshot(keys: list[Any]) -> bool:
     return any(key is None or _reads_written.get(key, True) for key in keys)
 
 
-def may_undo_unsnapshotted(keys: list[Any]) -> bool:
-    """Whether a recompute keyed ``keys`` without a snapshot may write and be undone: guarded
-    recomputes showed that it is safe, and that it reads none of the state it writes."""
-    return may_undo(keys) and not any(_reads_written.get(key, True) for key in keys)
-
-
 def may_undo(keys: list[Any]) -> bool:
     """Whether a recompute keyed ``keys`` may write and have its writes undone: guarded
     recomputes showed that it is safe ([ Writes undone ] 4 and 5)."""
@@ -510,6 +504,7 @@ class WriteGuard(EagerMode):
         self,
         expected: list[torch.Tensor] | None = None,
         generators: GeneratorStates | None = None,
+        *,
         lands: bool = False,
         state: list[torch.Tensor] | None = None,
         written: list[torch.Tensor] | None = None,

@@ -97,7 +97,6 @@ from ._guard import (
     learned_reads,
     learned_undo,
     may_undo,
-    may_undo_unsnapshotted,
     needs_guard,
     undo_state,
     undoable,
@@ -479,18 +478,19 @@ class _Frame:
             if may_undo(call.keys):
                 reach = Reachable(call.function, args, kwargs, call.reached)
             else:
-                guard = WriteGuard(state, listed, True, state, call.writes)
+                guard = WriteGuard(state, listed, lands=True, state=state, written=call.writes)
         elif call.wrote:
             if call.undoable:
                 reach = Reachable(call.function, args, kwargs, call.reached)
                 state = undo_state(reach, _tensors(args, kwargs))
-            if state is not None and may_undo_unsnapshotted(call.keys):
+            # Without a snapshot, only a region that reads none of the state it writes.
+            if state is not None and may_undo(call.keys) and not wants_snapshot(call.keys):
                 undo = Undo(state)
             else:
                 reach = None
-                guard = WriteGuard(state, listed, False, _alive(call.reached), call.writes)
+                guard = WriteGuard(state, listed, state=_alive(call.reached), written=call.writes)
         elif needs_guard(call.keys):
-            guard = WriteGuard([], listed, False, _alive(call.reached))
+            guard = WriteGuard([], listed, state=_alive(call.reached))
         else:
             reach = Reachable(call.function, args, kwargs, call.reached)
         changed: list[torch.Tensor] = []

@@ -329,12 +329,12 @@ class _State:
         tensors = self.tensors()
         written = [tensors[i] for i in self.written]
         if self.snapshot is None:
-            return WriteGuard(None, generators, False, tensors, written), None
+            return WriteGuard(None, generators, state=tensors, written=written), None
         undo = Undo(tensors)
         with torch.no_grad():
             for t, value in zip(tensors, self.snapshot, strict=True):
                 t.copy_(value)
-        return WriteGuard(tensors, generators, True, tensors, written), undo
+        return WriteGuard(tensors, generators, lands=True, state=tensors, written=written), undo
 
 
 def _grads(
