@@ -23,7 +23,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from ._nodes import (
 )
 from .errors import CheckpointError
 
+if TYPE_CHECKING:
+    from .checkpoint import SavedInputs
+
 __all__: list[str] = []
 
 # A result index; ("w", position) for a written argument; ("l", index, item) in a list result.
@@ -53,7 +56,7 @@ class Replay:
 
     nodes: list[Node]
     packed: list[weakref.ref[_Packed]]
-    input_node: Any
+    saved_inputs: SavedInputs | None
     uses: dict[int, dict[Ref, int]]
     cache: dict[int, dict[Ref, torch.Tensor]]
     ran: dict[int, set[int]]
@@ -113,8 +116,11 @@ class Replay:
         tensor be read once per backward)."""
         inputs = self.inputs_cache.get(task)
         if inputs is None:
-            inputs = self.inputs_cache[task] = tuple(self.input_node.saved_tensors)
+            inputs = self.inputs_cache[task] = self._inputs()
         return inputs[index]
+
+    def _inputs(self) -> tuple[torch.Tensor, ...]:
+        return self.saved_inputs.tensors if self.saved_inputs is not None else ()
 
     def _end(self, task: int) -> None:
         self.uses.pop(task, None)
@@ -160,9 +166,7 @@ class Replay:
             # twice): rebuild it on its own, with counts for its cone only.
             again = _state.made_up_task()
             self._count_uses(again, [ref])
-            self.inputs_cache[again] = self.inputs_cache.get(task) or tuple(
-                self.input_node.saved_tensors
-            )
+            self.inputs_cache[again] = self.inputs_cache.get(task) or self._inputs()
             try:
                 return self._materialize(ref, again)
             finally:

@@ -205,12 +205,12 @@ class _Call:
         "args",
         "function",
         "generators",
-        "input_node",
         "keys",
         "kwargs",
         "links",
         "reached",
         "reads",
+        "saved_inputs",
         "snapshot",
         "tensor_args",
         "undoable",
@@ -227,7 +227,7 @@ class _Call:
         links: dict[int | str, int] | None = None,
     ) -> None:
         self.function = function
-        # The arguments with their tensors replaced by None: the tensors live in `input_node`,
+        # The arguments with their tensors replaced by None: the tensors live in `saved_inputs`,
         # where an enclosing region manages them. Other arguments are kept as they are, so that
         # a list or dict the function mutates is the same object in the recompute.
         self.args = tuple(None if isinstance(v, torch.Tensor) else v for v in args)
@@ -239,7 +239,7 @@ class _Call:
         self.tensor_args: set[int | str] = {
             i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and i not in self.links
         } | {k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in self.links}
-        self.input_node: Any = None
+        self.saved_inputs: SavedInputs | None = None
         # Whether the forward pass wrote a tensor it can reach, and whether the recompute may
         # write and undo instead of running guarded: see [ When the guard runs ] and
         # [ Writes undone ] in _guard.py.
@@ -263,7 +263,7 @@ class _Call:
     def inputs(self, previous: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments of a recompute; ``previous``: the leaves of the previous call's
         recomputed output."""
-        saved = iter(self.input_node.saved_tensors if self.input_node is not None else ())
+        saved = iter(self.saved_inputs.tensors if self.saved_inputs is not None else ())
 
         def value(key: int | str, v: Any) -> Any:
             if key in self.links:
@@ -333,7 +333,7 @@ class _Frame:
         ]
         saved = [*tensors, *nested]
         # A linked call whose one tensor argument is its link saves nothing: no node.
-        call.input_node = save_inputs(saved, offload_inputs) if saved else None
+        call.saved_inputs = save_inputs(saved, offload_inputs) if saved else None
         self.calls.append(call)
         log = _OpLog(self.forward_ops) if self.forward_ops is not None else _NO_CONTEXT
         reach = Reachable(call.function, args, kwargs)
@@ -951,14 +951,34 @@ def _compiled(function: Any) -> bool:
     return is_compiled(function)
 
 
-def save_inputs(tensors: list[torch.Tensor], offload: bool) -> Any:
-    """Save a region's tensor inputs through autograd, so that an enclosing region manages
-    them (Rule 2 of [ Nested regions ]); returns the node that holds them. With ``offload``,
-    those on an accelerator wait in the host tier (see NOTE [ Life of an offloaded tensor ])."""
+class SavedInputs:
+    """A region's tensor inputs, saved through autograd so that an enclosing region manages
+    them (Rule 2 of [ Nested regions ]).
+
+    It holds the saver's output, not only its node: the node lives as long as that output, and
+    torch (2.11 for one) frees a custom Function's saved tensors when its node dies, even while
+    the ``grad_fn`` object is still referenced."""
+
+    __slots__ = ("_out",)
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self._out = out
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        node: Any = self._out.grad_fn
+        return tuple(node.saved_tensors)
+
+
+def save_inputs(tensors: list[torch.Tensor], offload: bool) -> SavedInputs:
+    """Save a region's tensor inputs through autograd (see :class:`SavedInputs`). With
+    ``offload``, those on an accelerator wait in the host tier (see NOTE [ Life of an offloaded
+    tensor ])."""
     dummy = torch.empty(0, requires_grad=True)
     _state.state.saving_region_inputs = True
     try:
         with offload_hooks("host") if offload else contextlib.nullcontext():
-            return _SaveInputs.apply(dummy, *tensors).grad_fn  # type: ignore[no-untyped-call]
+            out: torch.Tensor = _SaveInputs.apply(dummy, *tensors)  # type: ignore[no-untyped-call]
     finally:
         _state.state.saving_region_inputs = False
+    return SavedInputs(out)

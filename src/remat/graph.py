@@ -75,7 +75,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +115,9 @@ from .policies import check as check_policy
 from .store._store import Saved, Store
 from .store.scope import drain, store_for
 
+if TYPE_CHECKING:
+    from .checkpoint import SavedInputs
+
 __all__: list[str] = []
 
 # A result index; ("w", position) for a written argument; ("l", index, item) in a list result.
@@ -130,7 +133,7 @@ class Graph(Replay):
         self.nodes: list[Node] = []
         # TensorImpl address -> how that tensor is known; see [ Replay identity ].
         self.current: dict[int, _Entry] = {}
-        self.input_node: Any = None
+        self.saved_inputs: SavedInputs | None = None
         for i, t in enumerate(inputs):
             if _key(t) not in self.current:
                 self.current[_key(t)] = _Entry(_Input(i), t._version, weakref.ref(t))
@@ -771,7 +774,7 @@ def recording(
         return
     graph = Graph([policy], inputs)
     graph.modules = [root]  # the module whose forward the region is, if any
-    graph.input_node = save_inputs(inputs, offload_inputs)
+    graph.saved_inputs = save_inputs(inputs, offload_inputs)
     _state.state.graph = graph
     try:
         with (
