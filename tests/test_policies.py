@@ -464,9 +464,11 @@ def test_nested_policy_applies_only_inside_its_region() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+RECOMPUTE_FLAGS: list[bool] = []  # what torch_policy read from ctx.is_recompute
+
+
 def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if ctx.is_recompute:  # torch policies may read it; it is always False here
-        raise AssertionError("policies run in forward only")
+    RECOMPUTE_FLAGS.append(ctx.is_recompute)  # torch policies may read it
     return (
         CheckpointPolicy.MUST_SAVE if op == aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
     )
@@ -483,7 +485,10 @@ def _mm_dropout(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("policy", [torch_policy, bool_policy])
 def test_torch_style_policies_work_unchanged(policy: Any) -> None:
     x, w = _leaf(4, 4), _leaf(4, 4)
+    RECOMPUTE_FLAGS.clear()
     ops = run_both(_mm_dropout, x, w, policy=policy)
+    # remat asks a policy in forward only (torch 2.11 asks again in its recompute)
+    assert policy is bool_policy or (RECOMPUTE_FLAGS and not any(RECOMPUTE_FLAGS))
     assert ops["mm"] == 4  # backward's own: the saved matmuls are not replayed
     assert ops["sin"] == 1 and ops["bernoulli_"] == 1  # the rest is
     # The same function drives torch's own selective checkpointing to the same grads.

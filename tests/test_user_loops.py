@@ -267,17 +267,20 @@ def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     and under each remat mechanism set up before sharding."""
     import warnings
 
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     from remat.planning._plan import segments
 
     with gloo_group(rank, world, port):
+        # On the CPU also where CUDA is available (fully_shard's default mesh is on CUDA there).
+        mesh = init_device_mesh("cpu", (world,))
 
         def loop(model: nn.Sequential) -> list[torch.Tensor]:
             for block in list(model)[:-1]:
-                fully_shard(block)
-            fully_shard(model)
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
             seen = []
             for step in range(3):
