@@ -173,6 +173,28 @@ def test_chain_peak_on_a_hand_built_chain() -> None:
     assert chain_peak(costs, [dropped, plain]) == 145
 
 
+def test_the_smallest_budget_is_exact_to_the_byte() -> None:
+    """Two options a block whose peaks differ by 0.1%, well inside the bisection's 0.2%: the
+    smallest budget is the slower option's peak, and one byte less finds no plan (the budget
+    that NoPlanFits names fits, and nothing below it does)."""
+    from remat.planning.planner import _smallest
+
+    costs = ChainCosts(head=0, before=0, tail=0)
+    fast = ChainOption(kept=0, backward=100_000, seconds=0.0)
+    lean = ChainOption(kept=0, backward=99_900, seconds=1.0)
+    chain = [[fast, lean]] * 3
+    smallest = _smallest(costs, chain)
+    assert smallest == 99_900
+    assert chain_dp(costs, chain, smallest) is not None
+    assert chain_dp(costs, chain, smallest - 1) is None
+    for rng in map(random.Random, range(20)):
+        costs, blocks = _random_chain(rng)
+        smallest = _smallest(costs, blocks)
+        picks = chain_dp(costs, blocks, smallest)
+        assert picks is not None and chain_peak(costs, chosen(blocks, picks)) <= smallest
+        assert chain_dp(costs, blocks, smallest - 1) is None
+
+
 def _random_options(rng: random.Random, count: int, lefts: tuple[int, ...]) -> list[ChainOption]:
     """A plain option and ``count`` random ones that trade kept bytes for time; each leaves
     ``kept // d`` bytes for a ``d`` drawn from ``lefts`` (0: nothing)."""

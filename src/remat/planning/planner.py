@@ -641,8 +641,12 @@ def _chain(
 
 
 def _smallest(costs: ChainCosts, chain: list[list[ChainOption]]) -> int:
-    """The smallest budget the chain DP can meet: bisection on feasibility, then the predicted
-    peak of the plan at the budget found (which fits that peak itself)."""
+    """The smallest budget the chain DP meets: one byte less and it finds no plan.
+
+    Bisection on feasibility first, to 0.2% of the largest peak. The DP's grid is a fraction
+    of the budget it is given, so its feasibility is not monotone to the byte: from there, each
+    step asks for a plan one byte below the smallest budget found to fit, and goes down to that
+    plan's peak, until there is none."""
     singles = [[o for o in opts if o.span == 1] for opts in chain]
     high = max(
         chain_peak(costs, [min(opts, key=lambda o: o.kept + o.backward) for opts in singles]), 1
@@ -655,12 +659,18 @@ def _smallest(costs: ChainCosts, chain: list[list[ChainOption]]) -> int:
             low = mid
         else:
             high = mid
-    picks = chain_dp(costs, chain, high)
-    if picks is not None:
-        peak = chain_peak(costs, chosen(chain, picks))
-        if chain_dp(costs, chain, peak) is not None:
-            return peak
-    return high
+    fits = high  # a budget the DP finds a plan for
+    for _ in range(_SMALLEST_STEPS):
+        below = chain_dp(costs, chain, fits - 1)
+        if below is None:
+            return fits
+        peak = chain_peak(costs, chosen(chain, below))  # at most fits - 1
+        fits = peak if chain_dp(costs, chain, peak) is not None else fits - 1
+    return fits
+
+
+# At most this many steps below the bisection's answer (each one or two DPs).
+_SMALLEST_STEPS = 64
 
 
 @dataclass
