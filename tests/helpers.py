@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import remat
+
 
 @dataclass
 class StepRecord:
@@ -167,3 +169,15 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.001)
+
+
+def offloaded(model: nn.Module, tier: Any, **options: Any) -> nn.Module:
+    """``model`` with its forward run inside ``remat.offload(tier)``."""
+    forward = model.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with remat.offload(tier, **options):
+            return forward(*args, **kwargs)
+
+    model.forward = run  # type: ignore[method-assign]
+    return model

@@ -23,7 +23,7 @@ import remat
 from remat.store import DiskTier, HostTier
 from remat.workloads import WORKLOAD_NAMES, get_workload
 
-from helpers import StepRecord, assert_records_equal, train
+from helpers import StepRecord, assert_records_equal, offloaded, train
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
@@ -54,17 +54,6 @@ def _plain(name: str) -> tuple[nn.Module, StepRecord, list[tuple[torch.Tensor, t
     record = train(copy.deepcopy(model), batches, workload.loss_fn)
     assert_records_equal(record, train(copy.deepcopy(model), batches, workload.loss_fn))
     return model, record, batches
-
-
-def _offloaded(model: nn.Module, tier: str, **options: Any) -> nn.Module:
-    forward = model.forward
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with remat.offload(tier, **options):
-            return forward(*args, **kwargs)
-
-    model.forward = run  # type: ignore[method-assign]
-    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +239,7 @@ def host() -> Iterator[HostTier]:
 def test_host_tier_is_bit_exact_through_pinned_buffers(name: str, host: HostTier) -> None:
     workload = get_workload(name, "small")
     model, plain, batches = _plain(name)
-    twin = _offloaded(copy.deepcopy(model), "host", min_bytes=0)
+    twin = offloaded(copy.deepcopy(model), "host", min_bytes=0)
     assert_records_equal(plain, train(twin, batches, workload.loss_fn))
     assert host.pool.pin
     assert host.stats.copies_out > 10 and host.stats.copies_in >= host.stats.copies_out
@@ -278,7 +267,7 @@ def test_host_tier_frees_device_memory_until_backward(host: HostTier) -> None:
         return held, loss.detach(), [p.grad for p in m.parameters()]  # type: ignore[misc]
 
     held_plain, loss_plain, grads_plain = after_forward(copy.deepcopy(model))
-    held, loss, grads = after_forward(_offloaded(copy.deepcopy(model), "host", min_bytes=2**12))
+    held, loss, grads = after_forward(offloaded(copy.deepcopy(model), "host", min_bytes=2**12))
     assert torch.equal(loss, loss_plain)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_plain, strict=True))
     assert host.stats.bytes_out > 0
@@ -290,7 +279,7 @@ def test_disk_tier_is_bit_exact_from_the_gpu(tmp_path: Any) -> None:
     workload = get_workload("gpt", "small")
     model, plain, batches = _plain("gpt")
     with remat.store.tiers(disk=tier):
-        twin = _offloaded(copy.deepcopy(model), "disk", min_bytes=0)
+        twin = offloaded(copy.deepcopy(model), "disk", min_bytes=0)
         assert_records_equal(plain, train(twin, batches, workload.loss_fn))
     tier.close()
 

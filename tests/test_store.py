@@ -27,7 +27,7 @@ from remat.store._lanes import ThreadLane
 from remat.store._tier import Ticket
 from remat.workloads import WORKLOAD_NAMES, get_workload
 
-from helpers import assert_records_equal, train, wait_for
+from helpers import assert_records_equal, offloaded, train, wait_for
 
 aten = torch.ops.aten
 
@@ -38,18 +38,6 @@ def host() -> Iterator[HostTier]:
     with remat.store.tiers(host=tier):
         yield tier
     tier.close()
-
-
-def offloaded(model: nn.Module, tier: Any, **options: Any) -> nn.Module:
-    """``model`` with its forward run inside ``remat.offload(tier)``."""
-    forward = model.forward
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with remat.offload(tier, **options):
-            return forward(*args, **kwargs)
-
-    model.forward = run  # type: ignore[method-assign]
-    return model
 
 
 def _batches(name: str, steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
