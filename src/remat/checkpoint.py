@@ -36,7 +36,9 @@ NOTE [ Nested regions ]
 
 Rule 1. A tensor is managed by the innermost region that is active when it is saved.
 Rule 2. A region's inputs are saved, through ``_SaveInputs``, by the region around it; so
-        rebuilding an inner region's inputs recomputes the outer region first.
+        rebuilding an inner region's inputs recomputes the outer region first. The region
+        holds the saver's output (``SavedInputs``), which keeps the saver's node, and with it
+        the saved tensors, alive while the region needs them.
 Rule 3. A recompute starts as if no region were active; regions it meets are honoured.
 
 NOTE [ Linked calls ]
