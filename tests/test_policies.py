@@ -505,6 +505,40 @@ def test_torch_style_policies_work_unchanged(policy: Any) -> None:
     assert_equal(_grads(*a), _grads(*b))
 
 
+def _saved_then_recomputed_draw(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = (x @ w) * torch.rand_like(x)  # drawn, and kept by the policy below
+    g = h[:, :4]
+    return (g.sin() * torch.rand_like(g)).sum()  # drawn after it, and recomputed
+
+
+def _keep_the_first_draw(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op == aten.rand_like.default and args[0].shape[1] == 8:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_a_draw_recomputed_after_a_kept_draw_replays_its_own_numbers() -> None:
+    """A random op whose output the policy keeps, then one it recomputes (on CUDA, attention
+    with dropout draws from the generator itself, and a matmul policy keeps it): the replay
+    draws the second op's numbers from the state that op drew from. Torch's selective
+    checkpointing restores the state from before the region, skips the kept draw, and so
+    draws the first op's numbers for the second: other gradients, no error (pinned)."""
+    x, w = _leaf(8, 8), _leaf(8, 8)
+    ops = run_both(_saved_then_recomputed_draw, x, w, policy=_keep_the_first_draw)
+    assert ops["rand_like"] == 1  # the kept draw is not replayed, the other one is
+    a, b = _fresh(x, w), _fresh(x, w)
+    torch.manual_seed(7)
+    _saved_then_recomputed_draw(*a).backward()
+    torch.manual_seed(7)
+    torch.utils.checkpoint.checkpoint(
+        _saved_then_recomputed_draw,
+        *b,
+        use_reentrant=False,
+        context_fn=lambda: create_selective_checkpoint_contexts(_keep_the_first_draw),
+    ).backward()
+    assert not torch.equal(a[0].grad, b[0].grad)  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------------------------------
 # remat.tag
 # ---------------------------------------------------------------------------------------------
