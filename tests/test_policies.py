@@ -495,14 +495,20 @@ def test_torch_style_policies_work_unchanged(policy: Any) -> None:
     a, b = _fresh(x, w), _fresh(x, w)
     torch.manual_seed(7)
     remat.checkpoint(_mm_dropout, *a, policy=policy).backward()
+    torch_sac_backward(_mm_dropout, b, policy)
+    assert_equal(_grads(*a), _grads(*b))
+
+
+def torch_sac_backward(fn: Any, leaves: list[torch.Tensor], policy: Any) -> None:
+    """``fn(*leaves)`` under torch's selective checkpointing with ``policy``, and its backward,
+    from seed 7."""
     torch.manual_seed(7)
     torch.utils.checkpoint.checkpoint(
-        _mm_dropout,
-        *b,
+        fn,
+        *leaves,
         use_reentrant=False,
         context_fn=lambda: create_selective_checkpoint_contexts(policy),
     ).backward()
-    assert_equal(_grads(*a), _grads(*b))
 
 
 def _saved_then_recomputed_draw(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -529,13 +535,7 @@ def test_a_draw_recomputed_after_a_kept_draw_replays_its_own_numbers() -> None:
     a, b = _fresh(x, w), _fresh(x, w)
     torch.manual_seed(7)
     _saved_then_recomputed_draw(*a).backward()
-    torch.manual_seed(7)
-    torch.utils.checkpoint.checkpoint(
-        _saved_then_recomputed_draw,
-        *b,
-        use_reentrant=False,
-        context_fn=lambda: create_selective_checkpoint_contexts(_keep_the_first_draw),
-    ).backward()
+    torch_sac_backward(_saved_then_recomputed_draw, b, _keep_the_first_draw)
     assert not torch.equal(a[0].grad, b[0].grad)  # type: ignore[arg-type]
 
 
