@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from remat import cli
 from remat.bench import measure
@@ -186,6 +187,9 @@ BAD: list[tuple[list[str], str]] = [
     (["--workload", "unet", "--strategies", "torch-seq-3"], "feed each other directly"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--device", "cuda", "--budgets", "0.5"], "run remat.plan, which plans a model on the CPU"),
+    (["--device", "cuda", "--disk-budgets", "0.2"], "with --device cuda, drop them"),
+    (["--device", "cuda", "--strategies", "none,remat-auto@50%"], "plans a model on the CPU"),
     (["--hf", "gpt3"], "unknown --hf model 'gpt3'"),
     (["--strategies", "offload-host"], "offload-host moves tensors from an accelerator"),
     (["--offload", "--workload", "mlp"], "--offload: measures the gpt workload"),
@@ -200,6 +204,17 @@ BAD: list[tuple[list[str], str]] = [
     (["--offload", "--autocast", "bf16"], "--pipeline and --offload measure in float32"),
     (["--pipeline", "--autocast", "fp16"], "--pipeline and --offload measure in float32"),
 ]
+
+
+def test_the_default_bench_on_cuda_leaves_the_planner_out_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``remat bench --device cuda`` runs every strategy but the planner's (remat.plan plans on
+    the CPU only), and says so; here CUDA is made to look absent, so the run stops there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = _run(capsys, "bench", "--device", "cuda", "--json", str(tmp_path / "r.json"))
+    assert "skipping the planner's strategies (remat-auto@...)" in out
+    assert code == 2 and "--device cuda, but CUDA is not available here" in err
 
 
 @pytest.mark.parametrize(("argv", "message"), BAD)
