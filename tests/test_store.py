@@ -234,6 +234,24 @@ def test_no_grad_saves_nothing(host: HostTier) -> None:
     assert host.stats.copies_out == 0
 
 
+def test_empty_tensors_stay_where_they_are(host: HostTier) -> None:
+    """With ``min_bytes=0`` an empty saved tensor (cuDNN's BatchNorm saves an empty reserve) is
+    not moved: it has no bytes, and a copy would cost a stream operation and a buffer. The
+    tensors with bytes go, and the gradients are the plain ones."""
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def body(t: torch.Tensor) -> torch.Tensor:
+        h = t * 2
+        empty = h[:0].clone()  # its own storage, of no bytes
+        return (empty * empty).sum() + h.sin().sum()  # mul saves the empty tensor, sin h
+
+    plain = torch.autograd.grad(body(x), x)[0]
+    with remat.offload("host", min_bytes=0):
+        out = body(x)
+    assert host.stats.copies_out == 1  # h only
+    assert torch.equal(torch.autograd.grad(out, x)[0], plain)
+
+
 def test_views_of_one_storage_are_stored_once_and_come_back_as_views() -> None:
     seen: list[tuple[int, int]] = []
 

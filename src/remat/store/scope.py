@@ -123,7 +123,9 @@ class Scope:
     def wants(self, t: torch.Tensor) -> bool:
         if self.outlives(t):
             return False  # model state and inputs live on anyway: moving them frees nothing
-        return self.store.takes(t) and t.numel() * t.element_size() >= self.min_bytes
+        nbytes = t.numel() * t.element_size()
+        # An empty tensor (cuDNN's BatchNorm saves an empty reserve) has nothing to move.
+        return nbytes > 0 and self.store.takes(t) and nbytes >= self.min_bytes
 
     def outlives(self, t: torch.Tensor) -> bool:
         """Whether ``t`` outlives the step: see :func:`outlives_the_step`, or it is a buffer
@@ -250,6 +252,8 @@ def _why_not(scope: Scope, t: torch.Tensor) -> str:
         return "a leaf that requires grad, alive anyway"
     if scope.outlives(t):
         return "a module's buffer (or a view of one), alive anyway"
+    if t.numel() == 0:
+        return "empty: nothing to move"
     return f"smaller than min_bytes={scope.min_bytes}"
 
 
