@@ -37,8 +37,8 @@ NOTE [ Nested regions ]
 Rule 1. A tensor is managed by the innermost region that is active when it is saved.
 Rule 2. A region's inputs are saved, through ``_SaveInputs``, by the region around it; so
         rebuilding an inner region's inputs recomputes the outer region first. The region
-        holds the saver's output (``SavedInputs``), which keeps the saver's node, and with it
-        the saved tensors, alive while the region needs them.
+        holds the saver's output (``SavedInputs``), which keeps the saved tensors available
+        while the region needs them.
 Rule 3. A recompute starts as if no region were active; regions it meets are honoured.
 
 NOTE [ Linked calls ]
@@ -957,9 +957,9 @@ class SavedInputs:
     """A region's tensor inputs, saved through autograd so that an enclosing region manages
     them (Rule 2 of [ Nested regions ]).
 
-    It holds the saver's output, not only its node: the node lives as long as that output, and
-    torch (2.11 for one) frees a custom Function's saved tensors when its node dies, even while
-    the ``grad_fn`` object is still referenced."""
+    It holds the saver's output, not only its ``grad_fn``: torch 2.11 frees a custom Function's
+    saved tensors once its output is gone, even while the ``grad_fn`` object is referenced
+    (torch 2.13 keeps them)."""
 
     __slots__ = ("_out",)
 
