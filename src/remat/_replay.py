@@ -62,6 +62,9 @@ class Replay:
     ran: dict[int, set[int]]
     inputs_cache: dict[int, tuple[torch.Tensor, ...]]
     rng_after: dict[int, dict[int, list[tuple[Any, torch.Tensor | None]]]]
+    # The number of live slots at the region's exit, and the use counts for them
+    # (``_counts``); None before the exit.
+    alive_uses: tuple[int, dict[Ref, int]] | None
 
     def _alive_refs(self) -> Iterator[Ref]:
         for ref in self.packed:
@@ -130,16 +133,31 @@ class Replay:
         self.rng_after.pop(task, None)
 
     def _count_uses(self, task: int, roots: list[Ref] | None = None) -> None:
-        uses: dict[Ref, int] = {}
-        alive = list(self._alive_refs()) if roots is None else roots
-        for ref in alive:
-            uses[ref] = uses.get(ref, 0) + 1
-        for index in self._cone(alive)[0]:
-            for a in self.nodes[index].refs:
-                uses[a] = uses.get(a, 0) + 1
+        if roots is not None:
+            uses = self._counts(roots)
+        else:
+            alive = list(self._alive_refs())
+            counted = self.alive_uses
+            # Nothing is saved after the region's exit, so the same number of live slots means
+            # the same slots: the counts made there hold (a copy, which the backward consumes).
+            if counted is not None and counted[0] == len(alive):
+                uses = dict(counted[1])
+            else:
+                uses = self._counts(alive)
         self.uses[task] = uses
         self.cache[task] = {}
         self.ran[task] = set()
+
+    def _counts(self, roots: list[Ref], cone: list[int] | None = None) -> dict[Ref, int]:
+        """How many times a replay for ``roots`` reads each result: once per root, and once
+        per argument of each node in their cone (``cone``, where it is known)."""
+        uses: dict[Ref, int] = {}
+        for ref in roots:
+            uses[ref] = uses.get(ref, 0) + 1
+        for index in self._cone(roots)[0] if cone is None else cone:
+            for a in self.nodes[index].refs:
+                uses[a] = uses.get(a, 0) + 1
+        return uses
 
     def _use(self, ref: Ref, task: int) -> None:
         uses = self.uses[task]

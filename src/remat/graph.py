@@ -152,6 +152,7 @@ class Graph(Replay):
         self._refs: list[Ref] = []
         self.inputs_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self.rng_after: dict[int, dict[int, list[tuple[Any, torch.Tensor | None]]]] = {}
+        self.alive_uses: tuple[int, dict[Ref, int]] | None = None
         self.paused = False  # the engine's own bookkeeping ops are not the region's
 
     def lookup(self, t: torch.Tensor) -> _Entry | None:
@@ -519,7 +520,8 @@ class Graph(Replay):
 
     def finish(self) -> None:
         """Region exit: drop kept results that no saved tensor can reach."""
-        alive = set(self._alive_refs())
+        slots = list(self._alive_refs())
+        alive = set(slots)
         cone, kept = self._cone(alive)
         reached = alive | kept
         replayed = set(cone)
@@ -543,6 +545,7 @@ class Graph(Replay):
                 node.rng = [(g, None) for g, _ in node.rng]
                 node.after, prior.feeds = previous, True
             previous = index
+        self.alive_uses = (len(slots), self._counts(slots, cone))
         self.current = {}
         self.held = {}
         self.externals = {}
