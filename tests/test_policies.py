@@ -353,6 +353,33 @@ def test_a_policy_without_the_op_arguments_in_its_signature_is_refused_where_it_
             give()
 
 
+def test_a_policy_is_read_once_and_a_refused_one_every_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``remat.checkpoint(fn, x, policy=p)`` in a loop reads ``p``'s signature once (reading it
+    costs more than a small region's forward); a policy refused is refused at every call."""
+    reads: list[Any] = []
+    signature = policies.inspect.signature
+
+    def counted(obj: Any) -> Any:
+        reads.append(obj)
+        return signature(obj)
+
+    monkeypatch.setattr(policies.inspect, "signature", counted)
+
+    def fresh_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return Decision.PREFER_RECOMPUTE
+
+    x = _leaf(4)
+    for _ in range(3):
+        remat.checkpoint(torch.sin, x, policy=fresh_policy).sum().backward()
+    assert reads.count(fresh_policy) == 1
+    for _ in range(2):
+        with pytest.raises(remat.RematError, match=r"takes \(ctx, op\)"):
+            remat.checkpoint(torch.sin, x, policy=_two_parameters)
+    assert reads.count(_two_parameters) == 2
+
+
 def test_combinators_check_their_policies_when_made() -> None:
     with pytest.raises(
         remat.RematError,

@@ -38,6 +38,7 @@ Give such threads their own ``torch.Generator``; see ``remat.checkpoint``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 import weakref
@@ -269,6 +270,9 @@ def check(policy: Any, caller: str) -> Any:
     ``policy(ctx, op, *args, **kwargs)``; returns it. Every front that accepts a policy
     (``checkpoint``, ``region``, ``apply``, ``checkpoint_wrapper``, the combinators) calls
     this, so that a wrong value fails where it is given, not inside the first recorded op."""
+    with contextlib.suppress(TypeError):
+        if policy in _CALLABLE_AS_POLICY:
+            return policy
     example = _is_factory(policy)
     if example is not None:
         raise RematError(
@@ -293,7 +297,14 @@ def check(policy: Any, caller: str) -> Any:
             "policy(ctx, op, *args, **kwargs) with the op's arguments; give it those "
             "parameters."
         ) from None
+    with contextlib.suppress(TypeError):  # not hashable, or no weak reference: checked each time
+        _CALLABLE_AS_POLICY.add(policy)
     return policy
+
+
+# The policies ``check`` passed: reading a signature costs more than a small region's forward
+# (``remat.checkpoint(fn, x, policy=p)`` checks ``p`` on every call).
+_CALLABLE_AS_POLICY: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _short(value: Any) -> str:
