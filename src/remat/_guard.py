@@ -585,17 +585,17 @@ class WriteGuard(EagerMode):
             self.unlisted = generator
 
     def _note_reads(self, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        read = self.read
-        skip = [key for write in info.writes for key in write]  # positions and names
+        # The written arguments, by position and name; most ops write none.
+        skip = {key for write in info.writes for key in write} if info.writes else ()
         tensors: list[torch.Tensor] = []
-        for key, value in (*enumerate(args), *kwargs.items()):
-            if key in skip:
-                continue
-            if isinstance(value, torch.Tensor):
-                tensors.append(value)
-            elif isinstance(value, (list, tuple)):
-                tensors.extend(v for v in value if isinstance(v, torch.Tensor))
-        read.update(map(id, tensors))
+        for items in (enumerate(args), kwargs.items()):
+            for where, value in items:
+                if isinstance(value, torch.Tensor):
+                    if where not in skip:
+                        tensors.append(value)
+                elif isinstance(value, (list, tuple)) and where not in skip:
+                    tensors.extend(v for v in value if isinstance(v, torch.Tensor))
+        self.read.update(map(id, tensors))
         if info.view_of is not None:  # a view reads no values: the ops on it do
             return
         for t in tensors:
