@@ -402,7 +402,9 @@ def _planned_per_op(p: float, x: torch.Tensor) -> tuple[nn.Module, nn.Module, li
     torch.manual_seed(0)
     model = nn.Sequential(DropoutBlock(p), DropoutBlock(p))
     plain = copy.deepcopy(model)
-    profile = profile_block(model[0], ((x.clone().requires_grad_(),), {}), "block", repeats=1)
+    profile = profile_block(
+        model[0], ((x.clone().requires_grad_(),), {}), "block", torch.device("cpu"), repeats=1
+    )
     decisions = {op.key: "recompute" for op in profile.ops}
     policies = [apply_option(b, str(i), "graph", decisions) for i, b in enumerate(model)]
     return model, plain, policies

@@ -335,6 +335,48 @@ def test_regions_lower_the_measured_peak() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The planner on the device
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "budget"), [("gpt", "50%"), ("convnet", "75%")])
+def test_the_planner_plans_a_cuda_model_by_the_allocators_counters(name: str, budget: str) -> None:
+    """``remat.plan`` on a model on the GPU: memory from the caching allocator's counters, each
+    op timed by CUDA events. The plan fits its budget as measured, its prediction is within 3%
+    of the plain step's peak of what it measured, planning leaves the CUDA generator as it
+    was, and the plan trains bit for bit as the plain model does."""
+    model, record, batches = _plain(name)
+    workload = get_workload(name, "small")
+    x, target = batches[0]
+
+    def loss_fn(out: Any) -> torch.Tensor:
+        return workload.loss_fn(out, target)
+
+    blocks = [path for path, _ in workload.blocks(model)]
+    rng = torch.cuda.get_rng_state()
+    plan = remat.plan(model, x, budget, loss_fn, blocks=blocks, repeats=1)
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    verified = plan.measured["verified_peak"]
+    assert verified <= plan.budget < plan.plain_peak
+    assert abs(plan.predicted_peak - verified) <= 0.03 * plan.plain_peak, (plan.summary(), verified)
+    assert any(b["option"] != "plain" for b in plan.blocks)
+    assert plan.plain_seconds > 0 and plan.predicted_seconds >= plan.plain_seconds
+    assert_records_equal(record, train(plan.apply(copy.deepcopy(model)), batches, workload.loss_fn))
+
+
+def test_each_op_of_a_cuda_block_is_timed_on_the_device() -> None:
+    from remat.planning.profile import profile_block
+
+    workload = get_workload("gpt", "small")
+    model = workload.model(seed=0).to(CUDA)
+    _, block = workload.blocks(model)[0]
+    x = torch.randn(2, 16, 32, device=CUDA, requires_grad=True)
+    profile = profile_block(block, ((x,), {}), "block", CUDA, repeats=1)
+    assert profile.ops and all(op.seconds > 0 for op in profile.ops)
+    assert profile.forward_seconds > 0
+
+
+# ---------------------------------------------------------------------------------------------
 # Hugging Face, on the device
 # ---------------------------------------------------------------------------------------------
 

@@ -799,9 +799,109 @@ def test_the_measured_check_leaves_the_report_to_the_users_apply() -> None:
     assert all(p.followed > 0 and p.unfollowed == 0 for p in plan.policies)
 
 
-def test_a_model_off_the_cpu_is_refused_before_any_work() -> None:
-    """Each option's memory comes from the CPU allocator's events, which see nothing of a model
-    elsewhere: a clear error, not a failure deep in the measurement."""
+def test_a_model_off_the_cpu_and_cuda_is_refused_before_any_work() -> None:
+    """Each option's memory comes from the CPU allocator's events or the CUDA allocator's
+    counters, which see nothing of a model elsewhere: a clear error, not a failure deep in the
+    measurement."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to("meta")
-    with pytest.raises(remat.RematError, match="expected a model on the CPU, found one on meta"):
+    with pytest.raises(
+        remat.RematError, match="expected a model on the CPU or a CUDA device, found one on meta"
+    ):
         remat.plan(model, torch.randn(2, 4, device="meta"), "50%")
+
+
+# -- memory from an allocator's counters (the planner's CUDA path) ------------------------------
+
+
+class _Scripted:
+    """Counters whose figures the step sets: ``now`` and the highest since the last reset."""
+
+    def __init__(self) -> None:
+        self.now = self.high = 100  # what was live before the step: the timeline's zero
+
+    def set(self, now: int, high: int | None = None) -> None:
+        self.now = now
+        self.high = max(self.high, now if high is None else high)
+
+    def allocated(self) -> int:
+        return self.now
+
+    def peak(self) -> int:
+        return self.high
+
+    def reset_peak(self) -> None:
+        self.high = self.now
+
+
+def test_a_counter_timeline_gives_each_stretch_its_own_peak_and_each_mark_its_first_level() -> None:
+    from remat.planning.cost import counter_timeline
+
+    counters = _Scripted()
+
+    def step(mark: Callable[[str], None]) -> None:
+        counters.set(110, high=130)  # before the first mark: counts in the step's peak only
+        mark("a")
+        counters.set(150, high=190)
+        mark("b")
+        counters.set(120)
+        mark("a")  # again: keeps its first level and the higher of its stretches' peaks
+        counters.set(140, high=160)
+
+    line = counter_timeline(step, counters)
+    assert line.order == ["a", "b", "a"]
+    assert line.levels == {"a": 10, "b": 50}
+    assert line.peaks == {"a": 90, "b": 50}  # a: 190 in its first stretch; b: nothing above 150
+    assert line.peak == 90
+
+
+def _tracked_timeline(step: Callable[[Any], Any], device: torch.device) -> Any:
+    """``cost.timeline`` on counters: the CPU bytes ``remat.MemoryTracker`` counts, read as an
+    allocator's counters are on CUDA (allocated now, the peak since a reset)."""
+    from remat.planning.cost import counter_timeline
+
+    with remat.MemoryTracker() as tracker:
+        ledger: Any = tracker._ledger
+
+        class Counters:
+            def allocated(self) -> int:
+                return int(ledger.live.get("cpu", 0))
+
+            def peak(self) -> int:
+                return int(ledger.peak.get("cpu", 0))
+
+            def reset_peak(self) -> None:
+                ledger.peak["cpu"] = ledger.live.get("cpu", 0)
+
+        return counter_timeline(step, Counters())
+
+
+@pytest.mark.parametrize(("name", "budget"), [("gpt", "50%"), ("convnet", "60%")])
+def test_the_planner_on_allocator_counters_predicts_what_they_measure(
+    name: str, budget: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA the planner measures memory by the allocator's counters (``_CudaCounters``),
+    marking a step's points by reading them (``counter_timeline``). The same path runs here on
+    counters kept by ``remat.MemoryTracker``: every measurement of the profile and the plan's
+    check come from them, and the plan's predicted peak is what they measure, to the byte,
+    at the first solve; the plan is exact (the ConvNet has BatchNorm)."""
+    from remat.planning import cost
+    from remat.workloads import get_workload
+
+    monkeypatch.setattr(cost, "timeline", _tracked_timeline)
+    workload = get_workload(name, "small")
+    model = workload.model(seed=0)
+    x, target = workload.batch(seed=0)
+
+    def loss_fn(out: Any) -> torch.Tensor:
+        return workload.loss_fn(out, target)
+
+    blocks = [path for path, _ in workload.blocks(model)]
+    plan = remat.plan(model, x, budget, loss_fn, blocks=blocks, repeats=1)
+    assert plan.measured["solves"] == 1
+    assert plan.predicted_peak == plan.measured["verified_peak"] <= plan.budget < plan.plain_peak
+    assert any(b["option"] != "plain" for b in plan.blocks)
+    batches = [(x, target)] * 2
+    assert_records_equal(
+        train(copy.deepcopy(model), batches, workload.loss_fn),
+        train(plan.apply(copy.deepcopy(model)), batches, workload.loss_fn),
+    )

@@ -586,7 +586,9 @@ def test_linked_segments_run_on_the_engine_that_measured_faster(
     from remat.planning.planner import _smallest, profile_model, solve
     from remat.workloads.mlp import MLPBlock
 
-    def seconds(block: nn.Module, plain: nn.Module, inputs: Any, repeats: int) -> float:
+    def seconds(
+        block: nn.Module, plain: nn.Module, inputs: Any, device: Any, repeats: int
+    ) -> float:
         on_region = any(
             isinstance(m.__dict__.get("forward"), LinkedForward) for m in block.modules()
         )

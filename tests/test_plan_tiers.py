@@ -139,7 +139,7 @@ def test_a_graph_option_offloads_exactly_the_ops_its_plan_names(disk: DiskTier) 
     # tanh and sigmoid save their outputs; the matmuls' outputs are saved by nothing.
     block = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 128), nn.Sigmoid())
     inputs = ((torch.randn(64, 128, requires_grad=True),), {})
-    profile = profile_block(block, inputs, "Sequential#0", repeats=1)
+    profile = profile_block(block, inputs, "Sequential#0", torch.device("cpu"), repeats=1)
     choice = solve_block(profile, cap=0, offload_cost=1e-12)  # writing is all but free
     assert choice is not None and choice.keep == frozenset()
     names = sorted(profile.ops[i].key for i in choice.offload)

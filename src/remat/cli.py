@@ -78,8 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--device",
         default="cpu",
-        help="cpu or cuda (default: cpu); the planner's strategies (--budgets, --disk-budgets) "
-        "run on cpu only, and --device cuda leaves them out of the default run",
+        help="cpu or cuda (default: cpu)",
     )
     bench.add_argument(
         "--autocast",
@@ -200,8 +199,6 @@ def _bench(args: argparse.Namespace) -> int:
         budgets = _DEFAULT_BUDGETS
     if disk_budgets is None and not args.strategies:
         disk_budgets = _DEFAULT_DISK_BUDGETS
-    if args.device == "cuda":
-        budgets, disk_budgets = _planner_on_accelerator(args, strategies, budgets, disk_budgets)
     strategies = list(
         dict.fromkeys(strategies + _budgets(budgets, strategies) + _disk_budgets(disk_budgets))
     )
@@ -512,28 +509,6 @@ class _Lines:
         self.count += 1
         elapsed = time.monotonic() - self.start
         print(f"[{self.count}/{self.total}] {what} ({elapsed:.0f} s)", flush=True)
-
-
-def _planner_on_accelerator(
-    args: argparse.Namespace,
-    strategies: list[str],
-    budgets: str | None,
-    disk_budgets: str | None,
-) -> tuple[None, None]:
-    """The planner's strategies on ``--device cuda``: refused where the user asked for them,
-    left out (and said so) where they are the default's."""
-    from .bench.strategies import is_auto
-
-    if args.budgets or args.disk_budgets or any(is_auto(s) for s in strategies):
-        raise RematError(
-            "remat bench: the planner's strategies (--budgets, --disk-budgets, remat-auto@...) "
-            "run remat.plan, which plans a model on the CPU only (it measures each option's "
-            "memory with the CPU allocator's events); with --device cuda, drop them, or bench "
-            "the planner with --device cpu."
-        )
-    if budgets or disk_budgets:
-        print("skipping the planner's strategies (remat-auto@...): remat.plan plans on the CPU")
-    return None, None
 
 
 def _budgets(text: str | None, strategies: list[str]) -> list[str]:

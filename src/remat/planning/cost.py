@@ -4,9 +4,14 @@ and what the chain of blocks peaks at.
 NOTE [ Measured memory ]
 
 Memory is measured, not assumed: on CPU by the allocator events of ``torch.profiler``
-(``profile_memory=True``; see ``bench/measure.py``), on CUDA by the allocator's counters.
-Points in time are marked by allocating and freeing a byte tensor of a size no real tensor has
-(``_Marks``): the running sum just before a marker's allocation is the live memory there.
+(``profile_memory=True``; see ``bench/measure.py``), on CUDA by the caching allocator's
+counters. On CPU, points in time are marked by allocating and freeing a byte tensor of a size
+no real tensor has (``_Marks``): the running sum just before a marker's allocation is the live
+memory there. On CUDA a mark reads the allocated bytes (the level there) and the peak since
+the mark before (the peak of the stretch it closes), then resets the peak (``_CounterMarks``).
+The allocator's accounting is done on the host as each tensor is allocated and freed, in
+program order, so a mark needs no device synchronization; its figures are the allocator's
+rounded block sizes, as the measured step's peak (``peak_bytes``) is.
 
 1. One block alone, per option: ``kept`` is the memory live after its forward (its output
    and what it holds for backward), ``backward`` the peak during its backward (with the
@@ -40,32 +45,20 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autocast import loop_forward
-from .profile import first_tensor, fresh_inputs
+from .profile import first_tensor, fresh_inputs, synchronize
 
 __all__: list[str] = []
 
 _MARK = 1_000_003  # an odd byte count; marker k allocates _MARK + 2 * k bytes
 
-
-class _Marks:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.names: list[str] = []
-
-    def __call__(self, name: str) -> None:
-        size = _MARK + 2 * len(self.names)
-        self.names.append(name)
-        if self.device.type == "cuda":
-            return
-        marker = torch.empty(size, dtype=torch.uint8, device=self.device)
-        del marker
+Mark = Callable[[str], None]  # ``mark(name)``: the point of a measured step named ``name``
 
 
 @dataclass
@@ -77,31 +70,126 @@ class Timeline:
     order: list[str] = field(default_factory=list)
     peak: int = 0
 
+    def enter(self, name: str, live: int) -> None:
+        """Mark ``name`` at ``live`` bytes: a name seen before (a block called twice) keeps
+        its first level, and the peak of every stretch it starts."""
+        self.levels.setdefault(name, live)
+        self.peaks[name] = max(self.peaks.get(name, live), live)
+        self.order.append(name)
 
-def timeline(step: Callable[[_Marks], Any], device: torch.device) -> Timeline:
-    """Run ``step(mark)`` under the CPU allocator's event log (see [ Measured memory ])."""
+
+class _Marks:
+    """Marks points of a step on the CPU: each one an allocation of a size of its own."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.names: list[str] = []
+
+    def __call__(self, name: str) -> None:
+        size = _MARK + 2 * len(self.names)
+        self.names.append(name)
+        marker = torch.empty(size, dtype=torch.uint8, device=self.device)
+        del marker
+
+
+class Counters(Protocol):
+    """An allocator's counters: the bytes allocated now and at most since the last reset."""
+
+    def allocated(self) -> int: ...
+
+    def peak(self) -> int: ...
+
+    def reset_peak(self) -> None: ...
+
+
+class _CudaCounters:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def peak(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+class _CounterMarks:
+    """Marks points of a step from an allocator's counters (see [ Measured memory ])."""
+
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
+        self.line = Timeline()
+        self.current: str | None = None
+        self.base = counters.allocated()
+        counters.reset_peak()
+
+    def __call__(self, name: str) -> None:
+        self._close()
+        self.current = name
+        self.line.enter(name, self.counters.allocated() - self.base)
+        self.counters.reset_peak()
+
+    def _close(self) -> None:
+        """The peak of the stretch since the last mark goes to that mark, and to the step's."""
+        peak = self.counters.peak() - self.base
+        self.line.peak = max(self.line.peak, peak)
+        if self.current is not None:
+            self.line.peaks[self.current] = max(self.line.peaks[self.current], peak)
+
+    def finish(self) -> Timeline:
+        self._close()
+        return self.line
+
+
+def counter_timeline(step: Callable[[Mark], Any], counters: Counters) -> Timeline:
+    """Run ``step(mark)``, marking points from ``counters`` (see [ Measured memory ])."""
+    marks = _CounterMarks(counters)
+    with _collector_held():
+        step(marks)
+    return marks.finish()
+
+
+@contextlib.contextmanager
+def _collector_held() -> Iterator[None]:
+    """The collector is held off during a measured step: a collection inside it would run
+    finalizers of earlier work whose frees count in the step. (Collecting first costs more
+    than the step in a large process: the test suite took three times as long.)"""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def timeline(step: Callable[[Mark], Any], device: torch.device) -> Timeline:
+    """Run ``step(mark)`` and measure it: under the CPU allocator's event log, or from the
+    CUDA allocator's counters (see [ Measured memory ])."""
+    if device.type == "cuda":
+        synchronize(device)
+        line = counter_timeline(step, _CudaCounters(device))
+        synchronize(device)
+        return line
     from torch._C._autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     marks = _Marks(device)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    # The collector is held off during the step: a collection inside it would run finalizers
-    # of earlier work whose allocations count as the step's. (Collecting first costs more than
-    # the step in a large process: the test suite took three times as long.)
-    collecting = gc.isenabled()
-    gc.disable()
-    with _without_kineto_notices(), warnings.catch_warnings():
-        # torch 2.11 warns that a profiler keeps the events of its last cycle only: this one
-        # has one cycle.
-        warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
-        prof.start()
-    try:
-        step(marks)
-    finally:
-        with _without_kineto_notices():
-            prof.stop()
-        if collecting:
-            gc.enable()
+    with _collector_held():
+        with _without_kineto_notices(), warnings.catch_warnings():
+            # torch 2.11 warns that a profiler keeps the events of its last cycle only: this
+            # one has one cycle.
+            warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
+            prof.start()
+        try:
+            step(marks)
+        finally:
+            with _without_kineto_notices():
+                prof.stop()
     profiler: Any = prof.profiler  # its kineto results are set once it has stopped
     events = [e for e in profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
@@ -114,11 +202,9 @@ def timeline(step: Callable[[_Marks], Any], device: torch.device) -> Timeline:
             continue
         n = event.nbytes()
         if abs(n) in sizes:
-            if n > 0:  # a name seen before (a block called twice) keeps its first level
+            if n > 0:
                 current = sizes[n]
-                out.levels.setdefault(current, live)
-                out.peaks[current] = max(out.peaks.get(current, live), live)
-                out.order.append(current)
+                out.enter(current, live)
             continue
         live += n
         out.peak = max(out.peak, live)
@@ -162,13 +248,6 @@ def _without_kineto_notices() -> Iterator[None]:
 def peak_bytes(step: Callable[[], Any], device: torch.device) -> int:
     """The peak live bytes of ``step()`` above the level before it: the CPU allocator's events,
     or the CUDA allocator's peak counter."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - base)
     return timeline(lambda mark: step(), device).peak
 
 
@@ -203,7 +282,7 @@ def measure_memory(
     inputs, and what it replayed, until the backward ends."""
     sizes: list[int] = []
 
-    def run(mark: _Marks | None) -> None:
+    def run(mark: Mark | None) -> None:
         leaves = fresh_inputs(inputs)
         args, kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: t * 1 if t.requires_grad else t, leaves
@@ -254,18 +333,21 @@ def measure_seconds(
     block: nn.Module,
     plain: nn.Module,
     inputs: tuple[tuple[Any, ...], dict[str, Any]],
+    device: torch.device,
     repeats: int = 5,
 ) -> float:
     """Median extra seconds of ``block``'s forward and backward over ``plain``'s, in pairs
-    that alternate which runs first."""
+    that alternate which runs first; on an accelerator, each to the end of its work there."""
 
     def once(m: nn.Module) -> float:
         args, kwargs = fresh_inputs(inputs)
         torch.manual_seed(0)
+        synchronize(device)
         start = time.perf_counter()
         with loop_forward():
             out = first_tensor(m(*args, **kwargs))
         out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
+        synchronize(device)
         return time.perf_counter() - start
 
     once(block)
@@ -309,7 +391,7 @@ def measure_plain_step(
     """Mark each block's forward and backward in one plain step and measure them; ``step``
     calls its argument where the forward and the loss end."""
     modules = [model.get_submodule(p) for p in paths]
-    marks: list[_Marks] = []
+    marks: list[Mark] = []
     handles = []
 
     def pre(i: int) -> Any:
@@ -338,7 +420,7 @@ def measure_plain_step(
         handles.append(m.register_forward_pre_hook(pre(i)))
         handles.append(m.register_forward_hook(post(i)))
 
-    def run(mark: _Marks) -> None:
+    def run(mark: Mark) -> None:
         marks.append(mark)
         try:
             step(lambda: mark("forward_end"))
@@ -375,8 +457,10 @@ def measure_plain_step(
     seconds = []
     for _ in range(repeats):
         zero_grads(model)
+        synchronize(device)
         start = time.perf_counter()
         step()
+        synchronize(device)
         seconds.append(time.perf_counter() - start)
     zero_grads(model)
     return PlainStep(

@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import modules
-from .._ambient import set_generators
+from .._ambient import restoring_rng, set_generators
 from .._compile import uncompiled
 from .._guard import generators_in
 from ..errors import NoPlanFits, RematError
@@ -217,7 +217,7 @@ def _chains(block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]]) ->
     args, kwargs = fresh_inputs(inputs)
     if not args or not isinstance(args[0], torch.Tensor):
         return False
-    with _as_found(block), torch.no_grad(), loop_forward():
+    with _as_found(block, _device_of(block)), torch.no_grad(), loop_forward():
         out = block(*args, **kwargs)
     t = next((v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)), None)
     return t is not None and t.shape == args[0].shape and t.dtype == args[0].dtype
@@ -283,7 +283,11 @@ def _segments(
                 got.left - chain.left + span * single.left,
                 got.forward,
                 got.cached - chain.cached + span * single.cached,
-                measure_seconds(segment, plain, inputs, repeats) if repeats > 0 else math.nan,
+                (
+                    measure_seconds(segment, plain, inputs, device, repeats)
+                    if repeats > 0
+                    else math.nan
+                ),
             )
             if n < len(tiers):
                 found[tier, span] = values
@@ -351,7 +355,7 @@ def _measure(
     measured = None
     if repeats > 0:
         timed = c.kind != "plain" or c.tier is not None
-        measured = measure_seconds(copy_, plain, inputs, repeats) if timed else 0.0
+        measured = measure_seconds(copy_, plain, inputs, device, repeats) if timed else 0.0
     return Option(
         c.name,
         c.kind,
@@ -728,12 +732,17 @@ def _uses(o: Option) -> set[str]:
     return used
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter: where its step runs and is measured."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
 @contextlib.contextmanager
-def _as_found(model: nn.Module) -> Iterator[None]:
+def _as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
     """Planning leaves the model as it found it: buffers (BatchNorm statistics), gradients,
-    the CPU random generator and the generators the model holds (see [ Explicit generators ]
-    in _ambient.py) are put back on the way out."""
-    rng = torch.get_rng_state()
+    the CPU random generator, ``device``'s, and the generators the model holds (see
+    [ Explicit generators ] in _ambient.py) are put back on the way out."""
     explicit = [(g, g.get_state()) for g in generators_in(model)]
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     grads = {
@@ -741,9 +750,9 @@ def _as_found(model: nn.Module) -> Iterator[None]:
         for n, p in model.named_parameters()
     }
     try:
-        yield
+        with restoring_rng(((device.type, None),) if device.type != "cpu" else ()):
+            yield
     finally:
-        torch.set_rng_state(rng)
         set_generators(explicit)
         with torch.no_grad():
             for n, b in model.named_buffers():
@@ -767,15 +776,15 @@ def profile_model(
     """Measure ``model``'s plain step and each block type's options (see ``cost.py``)."""
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.plan: expected an nn.Module, got {type(model).__name__}.")
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    if device.type != "cpu":
-        # Each option's memory is read from the CPU allocator's events (``cost.timeline``).
+    device = _device_of(model)
+    if device.type not in ("cpu", "cuda"):
+        # Each option's memory is read from the CPU allocator's events or the CUDA
+        # allocator's counters (``cost.timeline``).
         raise RematError(
-            f"remat.plan: expected a model on the CPU, found one on {device}: the planner "
-            "measures each option's memory with the CPU allocator's events, and does not measure "
-            "an accelerator's yet. Plan a CPU copy of the model, or choose by hand there "
-            "(remat.apply, remat.policies)."
+            f"remat.plan: expected a model on the CPU or a CUDA device, found one on {device}: "
+            "the planner measures memory with the CPU allocator's events or the CUDA "
+            "allocator's counters, and has no way to measure this device's. Plan a CPU copy of "
+            "the model, or choose by hand there (remat.apply, remat.policies)."
         )
     # Inside torch.autocast, the plan is for a loop that enters it around each forward (see
     # NOTE [ Planning under autocast ] in ``_autocast.py``).
@@ -783,7 +792,7 @@ def profile_model(
     chosen_tiers = _tiers(tiers, device)
     paths = find_blocks(model, blocks)
     started = time.perf_counter()
-    with outside(autocast), _as_found(model):
+    with outside(autocast), _as_found(model, device):
         step = _step(model, example_inputs, loss_fn)
         named = blocks is not None and not selects_by_class(blocks)
         found = capture(model, paths, step, named=named)
@@ -810,7 +819,9 @@ def profile_model(
         for t in dict.fromkeys(found.types):
             path = paths[found.types.index(t)]
             block = model.get_submodule(path)
-            profile = profile_block(block, found.inputs[path], t, repeats=max(repeats // 2, 1))
+            profile = profile_block(
+                block, found.inputs[path], t, device, repeats=max(repeats // 2, 1)
+            )
             options[t], seconds = _options(
                 block,
                 found.inputs[path],
@@ -961,10 +972,9 @@ def measured_peak(
 ) -> int:
     """The peak activation memory of one step of ``model`` set up as ``plan`` says (after a
     warm-up step), measured as the profile was; the model is left as it was found."""
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
+    device = _device_of(model)
     blocks = [model.get_submodule(b["path"]) for b in plan.blocks]
-    with outside(Autocast.from_json(plan.autocast)), _as_found(model):
+    with outside(Autocast.from_json(plan.autocast)), _as_found(model, device):
         try:
             plan.apply(model)
             step = _step(model, example_inputs, loss_fn)
@@ -1107,7 +1117,7 @@ def plan(
         tiers: what the plan may use: ``"recompute"`` (the default, alone), ``"disk"`` (files
             in a private directory, see :class:`~remat.store.DiskTier`; the tier named
             ``"disk"`` when the plan runs, see :func:`remat.store.tiers`), ``"host"`` (pinned
-            host memory, for a model on an accelerator, which the planner does not measure yet).
+            host memory, for a model on a CUDA device).
         points: caps swept per block type for the per-op options.
         repeats: timing repeats (medians) per measured option.
         segments: whether the plan may recompute consecutive blocks as one segment. Pass

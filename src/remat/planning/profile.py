@@ -369,9 +369,15 @@ class _Observer:
 
 
 class _Timer(EagerMode):
-    def __init__(self) -> None:
+    """Times each op a plain forward runs: on the CPU, its wall time; on CUDA, the longer of
+    the host's time to launch it and the device's time to run it (CUDA events around it, read
+    once the forward is over), whichever bounds a replay of the op."""
+
+    def __init__(self, device: torch.device) -> None:
         super().__init__()
-        self.seconds: list[float] = []
+        self.cuda = device.type == "cuda"
+        self.host: list[float] = []
+        self.events: list[tuple[Any, Any]] = []
 
     def __torch_dispatch__(
         self,
@@ -380,10 +386,30 @@ class _Timer(EagerMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if self.cuda:
+            began = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            ended = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            began.record()
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        self.seconds.append(time.perf_counter() - start)
+        self.host.append(time.perf_counter() - start)
+        if self.cuda:
+            ended.record()
+            self.events.append((began, ended))
         return out
+
+    def seconds(self) -> list[float]:
+        if not self.cuda:
+            return self.host
+        torch.cuda.synchronize()
+        device = [began.elapsed_time(ended) / 1e3 for began, ended in self.events]
+        return [max(h, d) for h, d in zip(self.host, device, strict=True)]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: a step is timed, or measured, to its end."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def fresh_inputs(
@@ -407,9 +433,14 @@ def first_tensor(out: Any) -> torch.Tensor:
 
 
 def profile_block(
-    block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], name: str, repeats: int = 3
+    block: nn.Module,
+    inputs: tuple[tuple[Any, ...], dict[str, Any]],
+    name: str,
+    device: torch.device,
+    repeats: int = 3,
 ) -> BlockProfile:
-    """Record ``block``'s ops under the graph engine and time them in plain runs."""
+    """Record ``block``'s ops under the graph engine and time them in plain runs on
+    ``device``."""
     observed = copy.deepcopy(block)
     observer = _Observer()
     checkpoint_wrapper(observed, policy=observer)
@@ -432,15 +463,17 @@ def profile_block(
     for _ in range(repeats):
         args, kwargs = fresh_inputs(inputs)
         torch.manual_seed(0)
-        timer = _Timer()
+        timer = _Timer(device)
         with torch.no_grad(), loop_forward(), timer:
             plain(*args, **kwargs)
-        runs.append(timer.seconds)
+        runs.append(timer.seconds())
         # What the region engine's recompute costs: the forward with autograd recording.
         args, kwargs = fresh_inputs(inputs)
+        synchronize(device)
         start = time.perf_counter()
         with loop_forward():
             plain(*args, **kwargs)
+        synchronize(device)
         totals.append(time.perf_counter() - start)
     if all(len(r) == len(ops) for r in runs):
         for i, op in enumerate(ops):
