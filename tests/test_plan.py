@@ -513,6 +513,40 @@ def test_larger_inputs_than_planned_are_followed_exactly_with_one_warning() -> N
     assert all(not m._forward_pre_hooks for m in planned.modules())
 
 
+def test_a_plan_measured_on_another_kind_of_device_warns_once_where_it_runs() -> None:
+    """A plan records the device type it was measured on. Applied to a model on another kind
+    of device (a plan made on a GPU, a CPU copy's plan applied to the GPU model), it trains
+    exactly and warns once that its budget does not hold there; a plan file without the
+    record (made before it was kept) is not checked."""
+    model, x, y = _gpt()
+    plan = remat.plan(model, x, budget="60%", loss_fn=lambda o: _lm_loss(o, y), repeats=0)
+    assert plan.measured["device"] == "cpu"
+    assert "measured on cpu" in plan.summary()
+    batches = [(x, y)] * 2
+    expected = train(copy.deepcopy(model), batches, _lm_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_records_equal(expected, train(plan.apply(copy.deepcopy(model)), batches, _lm_loss))
+
+    data = json.loads(plan.to_json())
+    data["measured"]["device"] = "cuda"
+    elsewhere = remat.Plan.from_json(json.dumps(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = train(elsewhere.apply(copy.deepcopy(model)), batches, _lm_loss)  # two steps
+    assert [str(w.message)[:88] for w in caught] == [
+        "remat: block 'blocks.0' runs on cpu, but the plan was measured on cuda; memory and time "
+    ]
+    assert "Plan the model on the device it trains on" in str(caught[0].message)
+    assert_records_equal(expected, got)
+
+    del data["measured"]["device"]
+    unrecorded = remat.Plan.from_json(json.dumps(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(unrecorded.apply(copy.deepcopy(model)), batches, _lm_loss)
+
+
 def _autocast_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 2) -> Any:
     """A mixed-precision loop: forward and loss inside torch.autocast, backward outside; the
     losses, gradients and parameters of each step."""

@@ -155,7 +155,11 @@ class Plan:
             measured_inputs = int(self.measured.get("input_bytes", 0))
             model.get_submodule(path).register_forward_pre_hook(
                 UnlikeProfiled(
-                    path, measured_inputs, self.budget, Autocast.from_json(self.autocast)
+                    path,
+                    measured_inputs,
+                    self.budget,
+                    Autocast.from_json(self.autocast),
+                    self.measured.get("device"),
                 ),
                 with_kwargs=True,
             )
@@ -182,6 +186,8 @@ class Plan:
             f"solve {self.solver.get('solve_seconds', 0.0):.2f} s, profile "
             f"{self.measured.get('profile_seconds', 0.0):.1f} s; tiers {', '.join(self.tiers)}",
         ]
+        if "device" in self.measured:
+            lines[-1] += f"; measured on {self.measured['device']}"
         for tier in dict.fromkeys(k.rsplit("_", 1)[0] for k in self.bandwidths):
             write, read = self.bandwidths.get(f"{tier}_write"), self.bandwidths.get(f"{tier}_read")
             if write and read:

@@ -22,7 +22,10 @@ keys do not name shapes) but hold more than it predicted: a pre-hook on the firs
 the profiled step (in eager mode: a compiled step is not checked). It warns once too when the
 block runs under other autocast settings than the plan was made for (none, or another dtype):
 casts change what a step holds, and a plan measured the casts of its own loop only (see
-NOTE [ Planning under autocast ] in ``_autocast.py``).
+NOTE [ Planning under autocast ] in ``_autocast.py``). And it warns once when the block runs on
+another kind of device than the plan was measured on (a plan made on a CPU copy of a model
+that trains on a GPU): kernels' scratch memory, the allocator's rounding and every op's time
+differ between them.
 
 NOTE [ The mode a plan was made in ]
 
@@ -259,14 +262,22 @@ class RefuseTraining:
 
 class UnlikeProfiled:
     """A forward pre-hook on a plan's first block: warns once when the block gets larger
-    inputs than the profiled step gave it, and once when it runs under other autocast settings
-    than the plan was made for (see NOTE [ Following a plan ])."""
+    inputs than the profiled step gave it, once when it runs under other autocast settings
+    than the plan was made for, and once when it runs on another kind of device than the plan
+    was measured on (``device``: a device type; None, from a plan file that does not say, is
+    not checked; see NOTE [ Following a plan ])."""
 
     def __init__(
-        self, path: str, measured: int, budget: int, autocast: Autocast | None = None
+        self,
+        path: str,
+        measured: int,
+        budget: int,
+        autocast: Autocast | None = None,
+        device: str | None = None,
     ) -> None:
         self.path, self.measured, self.budget = path, measured, budget
         self.autocast = autocast
+        self.device = device
         self.warned: set[str] = set()
 
     def __call__(self, block: nn.Module, args: Any, kwargs: Any) -> None:
@@ -281,10 +292,17 @@ class UnlikeProfiled:
                     f"{fmt_bytes(self.measured)}; activation memory grows with them",
                     "Plan with the largest batch you train on.",
                 )
-        if "autocast" in self.warned:
-            return
         param = next(block.parameters(), None)
         device = param.device.type if param is not None else "cpu"
+        if self.device is not None and device != self.device and "device" not in self.warned:
+            self.warned.add("device")
+            self._warn(
+                f"runs on {device}, but the plan was measured on {self.device}; memory and time "
+                "differ between devices",
+                f"Plan the model on the device it trains on (its {device} copy).",
+            )
+        if "autocast" in self.warned:
+            return
         now = Autocast.found(device)
         if now != self.autocast:
             self.warned.add("autocast")

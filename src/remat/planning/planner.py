@@ -701,6 +701,7 @@ class Profiled:
     training: bool = True  # the model's mode when it was profiled
     input_bytes: int = 0  # of the tensors the first block got
     autocast: Autocast | None = None  # the loop's, around each forward
+    device: str = "cpu"  # the type of the device the step ran and was measured on
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
     names: list[list[str]] = field(init=False)  # the name of each chain option
@@ -852,6 +853,7 @@ def profile_model(
         chained=dict(found.chained),
         training=model.training,
         input_bytes=input_bytes(found.inputs[paths[0]]),
+        device=device.type,
         autocast=autocast,
     )
 
@@ -936,6 +938,7 @@ def solve(
             "plain_kept": plain.kept,
             "plain_backward_peaks": plain.backward_peaks,
             "input_bytes": profiled.input_bytes,
+            "device": profiled.device,
         },
     )
 
