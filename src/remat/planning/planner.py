@@ -1128,6 +1128,9 @@ def plan(
             planning: FSDP2 gathers a block's parameters for that block's own forward and
             backward, and a segment's recompute runs the blocks before it too.
 
+    On a CUDA device it measures memory by the caching allocator's counters, and resets their
+    peak statistics (``torch.cuda.max_memory_allocated`` reads from the last step it measured).
+
     Called inside ``torch.autocast``, it plans a loop that runs each forward and its loss under
     those settings and backward outside (see NOTE [ Planning under autocast ] in
     ``_autocast.py``); the plan records them (``Plan.autocast``).

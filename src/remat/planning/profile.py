@@ -375,7 +375,11 @@ class _Timer(EagerMode):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
+        self.device = device
         self.cuda = device.type == "cuda"
+        # The stream the block's ops are queued on: that of its own device, which need not be
+        # the current one.
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
         self.host: list[float] = []
         self.events: list[tuple[Any, Any]] = []
 
@@ -389,19 +393,19 @@ class _Timer(EagerMode):
         if self.cuda:
             began = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             ended = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            began.record()
+            began.record(self.stream)
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         self.host.append(time.perf_counter() - start)
         if self.cuda:
-            ended.record()
+            ended.record(self.stream)
             self.events.append((began, ended))
         return out
 
     def seconds(self) -> list[float]:
         if not self.cuda:
             return self.host
-        torch.cuda.synchronize()
+        synchronize(self.device)
         device = [began.elapsed_time(ended) / 1e3 for began, ended in self.events]
         return [max(h, d) for h, d in zip(self.host, device, strict=True)]
 
