@@ -7,7 +7,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -939,3 +939,90 @@ def test_the_planner_on_allocator_counters_predicts_what_they_measure(
         train(copy.deepcopy(model), batches, workload.loss_fn),
         train(plan.apply(copy.deepcopy(model)), batches, workload.loss_fn),
     )
+
+
+class _FakeEvent:
+    """``torch.cuda.Event`` on the host clock: ``elapsed_time`` in milliseconds."""
+
+    recorded: ClassVar[list[object]] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at = 0.0
+
+    def record(self, stream: object = None) -> None:
+        import time
+
+        _FakeEvent.recorded.append(stream)
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return (end.at - self.at) * 1e3
+
+
+def test_the_planners_cuda_path_runs_with_torch_cuda_answered_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every line the planner runs only for a CUDA model, run here on a CPU model that the
+    planner is told is on ``cuda``, with the ``torch.cuda`` calls it makes answered on the CPU:
+    the allocator's counters from ``remat.MemoryTracker``'s books, CUDA events from the host
+    clock, the CUDA generator's state a tensor of its own. The plan is made and checked from
+    those counters, predicts what they measure to the byte, says it was measured on cuda (and
+    so warns once when it runs on the CPU), times each op by events on the block's device's
+    stream, leaves the CUDA generator as it found it, and trains bit for bit."""
+    from remat.planning import planner
+    from remat.workloads import get_workload
+
+    workload = get_workload("gpt", "small")
+    model = workload.model(seed=0)
+    x, target = workload.batch(seed=0)
+    cuda = torch.device("cuda")
+    stream = object()
+    synchronized: list[object] = []
+    rng = {"state": torch.arange(16, dtype=torch.uint8)}
+    restored: list[torch.Tensor] = []
+    with remat.MemoryTracker() as tracker:
+        ledger: Any = tracker._ledger
+
+        def reset_peak(device: object = None) -> None:
+            assert device == cuda
+            ledger.peak["cpu"] = ledger.live.get("cpu", 0)
+
+        def set_rng_state(state: torch.Tensor, index: int = 0) -> None:
+            restored.append(state)
+            rng["state"] = state
+
+        fakes: dict[str, Any] = {
+            "memory_allocated": lambda device=None: ledger.live.get("cpu", 0),
+            "max_memory_allocated": lambda device=None: ledger.peak.get("cpu", 0),
+            "reset_peak_memory_stats": reset_peak,
+            "synchronize": lambda device=None: synchronized.append(device),
+            "current_stream": lambda device=None: stream,
+            "Event": _FakeEvent,
+            "device_count": lambda: 1,
+            "get_rng_state": lambda index=0: rng["state"].clone(),
+            "set_rng_state": set_rng_state,
+        }
+        for name, fake in fakes.items():
+            monkeypatch.setattr(torch.cuda, name, fake)
+        monkeypatch.setattr(planner, "_device_of", lambda m: cuda)
+        _FakeEvent.recorded = []
+        blocks = [path for path, _ in workload.blocks(model)]
+        with warnings.catch_warnings():
+            # The plan's check step runs it on the model, which is on the CPU after all.
+            warnings.filterwarnings("ignore", "remat: block 'blocks.0' runs on cpu, but the")
+            plan = remat.plan(
+                model, x, "50%", lambda out: workload.loss_fn(out, target), blocks=blocks, repeats=1
+            )
+        monkeypatch.undo()
+    assert plan.measured["device"] == "cuda" and "measured on cuda" in plan.summary()
+    assert plan.measured["solves"] == 1
+    assert plan.predicted_peak == plan.measured["verified_peak"] <= plan.budget < plan.plain_peak
+    assert any(b["option"] != "plain" for b in plan.blocks)
+    assert _FakeEvent.recorded and all(s is stream for s in _FakeEvent.recorded)
+    assert synchronized and all(d in (cuda, None) for d in synchronized)
+    assert restored and all(torch.equal(r, torch.arange(16, dtype=torch.uint8)) for r in restored)
+    batches = [(x, target)] * 2
+    with pytest.warns(UserWarning, match="runs on cpu, but the plan was measured on cuda"):
+        got = train(plan.apply(copy.deepcopy(model)), batches, workload.loss_fn)
+    assert_records_equal(train(copy.deepcopy(model), batches, workload.loss_fn), got)

@@ -784,8 +784,9 @@ def profile_model(
         raise RematError(
             f"remat.plan: expected a model on the CPU or a CUDA device, found one on {device}: "
             "the planner measures memory with the CPU allocator's events or the CUDA "
-            "allocator's counters, and has no way to measure this device's. Plan a CPU copy of "
-            "the model, or choose by hand there (remat.apply, remat.policies)."
+            "allocator's counters, and has no way to measure this device's. Choose by hand "
+            "there (remat.apply, remat.policies), or plan a CPU copy of the model, whose "
+            "predictions will not hold on this device."
         )
     # Inside torch.autocast, the plan is for a loop that enters it around each forward (see
     # NOTE [ Planning under autocast ] in ``_autocast.py``).
