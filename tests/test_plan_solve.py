@@ -358,6 +358,83 @@ def test_a_budget_some_assignment_fits_is_never_refused_on_a_coarse_grid(seed: i
         assert chain_peak(costs, chosen(blocks, picks)) <= budget
 
 
+def test_a_plan_that_meets_the_budget_to_the_byte_is_found_where_a_faster_one_is_just_over() -> (
+    None
+):
+    """The chain measured on the U-Net of ``remat bench``: every block recomputed
+    (``region``, option 1) peaks at 70,531,848 bytes, torch's every-block checkpoint to the
+    byte, and faster assignments a few kilobytes over it hide under the grid's rounding, on
+    every grid. The DP's retries on tighter budgets shut every region out, and it found none;
+    the chain's MILP finds the fastest that fits."""
+    costs = ChainCosts(
+        head=42293656,
+        before=0,
+        tail=0,
+        gaps=(-10485752, 9175048, 19005448, 23920648, 22609928, 19988488, 14745608),
+        forward_head=35718336,
+        starts=(0, 3932160, 5898240, 6881280, 9502720, 14745600, 25231360),
+    )
+    # (kept, backward, extra seconds, forward) per option; plain first, region second
+    measured = [
+        [
+            (26214976, 41969984, 0.0000, 26214976),
+            (5247936, 41975040, 0.0054, 15742912),
+            (15734208, 47218176, 0.0049, 26215056),
+        ],
+        [
+            (13108352, 21053952, 0.0000, 13108352),
+            (2626496, 21059008, 0.0061, 7906240),
+            (10491840, 26302400, 0.0023, 15729936),
+            (7870400, 23681216, 0.0032, 13108240),
+            (5248960, 23681216, 0.0043, 10486800),
+        ],
+        [
+            (6555904, 10789760, 0.0000, 6555904),
+            (1315776, 10794816, 0.0049, 4084672),
+            (5249984, 13417792, 0.0024, 6562512),
+            (3939264, 12107072, 0.0034, 6555664),
+            (2628544, 12107072, 0.0036, 5244944),
+        ],
+        [
+            (3281408, 5833728, 0.0000, 3281408),
+            (660416, 5838784, 0.0000, 2560960),
+        ],
+        [
+            (6555904, 10789760, 0.0000, 6555904),
+            (1315776, 10794816, 0.0074, 4232128),
+            (3939264, 13408192, 0.0003, 6555664),
+            (2628544, 12097472, 0.0049, 5391368),
+        ],
+        [
+            (13108352, 21127424, 0.0000, 13108352),
+            (2626496, 21132480, 0.0092, 7943104),
+            (10491840, 28997312, 0.0030, 13114192),
+            (7870400, 26375872, 0.0033, 13108240),
+            (5248960, 23754432, 0.0062, 10523144),
+            (2627520, 21132992, 0.0088, 7938048),
+        ],
+        [
+            (26214976, 41988288, 0.0000, 26214976),
+            (5247936, 41993344, 0.0127, 15752128),
+            (15734208, 52479360, 0.0022, 26214928),
+            (10491328, 47236480, 0.0046, 20981000),
+        ],
+    ]
+    blocks = [
+        [ChainOption(kept=k, backward=b, seconds=s, forward=f) for k, b, s, f in options]
+        for options in measured
+    ]
+    budget = 70_531_848
+    regions = [options[1] for options in blocks]
+    assert chain_peak(costs, regions) == budget
+    answer = chain_solve(costs, blocks, budget)
+    assert answer.picks is not None and answer.optimal
+    found = chosen(blocks, answer.picks)
+    assert chain_peak(costs, found) <= budget
+    expected = chain_brute_force(costs, blocks, budget)
+    assert sum(o.seconds for o in found) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
 def _solved_as_brute_force(
     costs: ChainCosts, blocks: list[list[ChainOption]], budgets: tuple[int, ...]
 ) -> int:

@@ -47,8 +47,12 @@ the start, each block takes its ``L`` out of it, never below zero), so every con
 the state. Both axes live on grids (1/1024 and 1/64 of the budget by default), rounded down,
 so that the grid never refuses an assignment the exact model fits (an every-other-block plan
 whose peak is the budget to the byte); an answer the exact model puts over the budget is
-solved again on finer grids (up to 1/16384 of the budget), then on tighter budgets, so what
-the DP returns always fits.
+solved again on finer grids (up to 1/16384 of the budget). Where the finest grid still admits
+one, the DP is solved on tighter budgets, which can shut out the fastest assignment that fits,
+or every one (on a U-Net, every block recomputed fit the budget to the byte, and a faster
+assignment a few kilobytes over it kept the DP's answers off it until none was left): the
+chain's MILP (:func:`_chain_milp`, exact for the model) then decides, bounded by the DP's
+answer if it found one. What the DP returns always fits.
 
 NOTE [ Segments ]
 
@@ -425,17 +429,34 @@ def chain_solve(
     #    optimal. Where step 1's answer is as fast as the fastest assignment of all, whatever
     #    its peak (every block plain, at a large budget), it is optimal and step 2 never runs.
     if not any(o.cached for opts in blocks for o in opts):
-        return ChainAnswer(_chain_dp(costs, blocks, budget, grid, rgrid), True)
+        picks, settled = _chain_dp(costs, blocks, budget, grid, rgrid)
+        if settled:
+            return ChainAnswer(picks, True)
+        # The grid's rounding kept admitting answers over the budget (see [ The chain DP ]).
+        return _bounded_milp(costs, blocks, budget, picks, time_limit)
     fastest, _ = _fastest(blocks)
     raised = _raised_dp(costs, blocks, budget, grid, rgrid, fastest)
     bound = None if raised is None else sum(o.seconds for o in chosen(blocks, raised))
     if bound is not None and bound <= fastest:
         return ChainAnswer(raised, True)  # as fast as any assignment, fitting or not
+    return _bounded_milp(costs, blocks, budget, raised, time_limit)
+
+
+def _bounded_milp(
+    costs: ChainCosts,
+    blocks: Sequence[Sequence[ChainOption]],
+    budget: int,
+    picks: list[int] | None,
+    time_limit: float,
+) -> ChainAnswer:
+    """The chain's MILP for an answer faster than ``picks`` (a DP's, which fits; None: the DP
+    found none), or ``picks`` where it finds none faster."""
+    bound = None if picks is None else sum(o.seconds for o in chosen(blocks, picks))
     found = _chain_milp(costs, blocks, budget, bound, time_limit)
     if found.picks is None:  # nothing faster than the bound fits
-        return ChainAnswer(raised, found.optimal)
+        return ChainAnswer(picks, found.optimal)
     if bound is not None and sum(o.seconds for o in chosen(blocks, found.picks)) >= bound:
-        return ChainAnswer(raised, found.optimal)  # within HiGHS' tolerance of the bound
+        return ChainAnswer(picks, found.optimal)  # within HiGHS' tolerance of the bound
     return found
 
 
@@ -460,7 +481,7 @@ def _raised_dp(
         head = max(costs.head, costs.end(raised))
         # What the blocks before a forward cache is at most what all of them cache.
         starts = tuple(s + raised for s in costs.starts)
-        picks = _chain_dp(
+        picks, _ = _chain_dp(
             dataclasses.replace(costs, head=head, starts=starts), bare, budget, grid, rgrid
         )
         if picks is None:  # a larger raise only asks for more
@@ -600,34 +621,37 @@ def _chain_dp(
     budget: int,
     grid: int,
     rgrid: int,
-) -> list[int] | None:
-    """:func:`chain_dp` for options that cache nothing."""
+) -> tuple[list[int] | None, bool]:
+    """The DP for options that cache nothing: an assignment that fits (None: none found), and
+    whether the answer is settled (the fastest that fits, or none fits). An answer found on a
+    lowered target is not: a faster assignment may fit, or one may fit where none was found."""
     if not blocks:
-        return [] if max(costs.head, costs.tail) <= budget else None
+        return ([] if max(costs.head, costs.tail) <= budget else None), True
     _, fastest = _fastest(blocks)
     if chain_peak(costs, chosen(blocks, fastest)) <= budget:
-        return fastest  # nothing to trade: the grid's rounding must not cost time here
+        return fastest, True  # nothing to trade: the grid's rounding must not cost time here
     # Rounding down can admit an answer the exact model puts over the budget: refine the grid
     # (the error falls with the unit), then, on the finest, lower the target below that
-    # answer's peak on the grid, by its excess.
+    # answer's peak on the grid, by its excess. On a grid, every assignment that fits is
+    # admitted: none admitted means none fits, and an admitted answer that fits is the fastest.
     grids = [grid * 4**k for k in range(4) if k == 0 or grid * 4**k <= max(grid, 1 << 14)]
     for g in grids:
         found = _chain_dp_grid(costs, blocks, budget, budget, g, rgrid)
         if found is None:
-            return None
+            return None, True
         if chain_peak(costs, chosen(blocks, found[0])) <= budget:
-            return found[0]
+            return found[0], True
     target = budget
     for _ in range(16):
         found = _chain_dp_grid(costs, blocks, target, budget, grids[-1], rgrid)
         if found is None:
-            return None
+            return None, False
         picks, on_grid = found
         peak = chain_peak(costs, chosen(blocks, picks))
         if peak <= budget:
-            return picks
+            return picks, False
         target = min(target, on_grid) - max(peak - budget, budget // grids[-1], 1)
-    return None
+    return None, False
 
 
 def _chain_dp_grid(
