@@ -645,12 +645,12 @@ def _chain(
 
 
 def _smallest(costs: ChainCosts, chain: list[list[ChainOption]]) -> int:
-    """The smallest budget the chain DP meets: one byte less and it finds no plan.
+    """The smallest budget some assignment fits: one byte less and none does.
 
-    Bisection on feasibility first, to 0.2% of the largest peak. The DP's grid is a fraction
-    of the budget it is given, so its feasibility is not monotone to the byte: from there, each
-    step asks for a plan one byte below the smallest budget found to fit, and goes down to that
-    plan's peak, until there is none."""
+    Bisection on feasibility first (:func:`chain_dp`), to 0.2% of the largest peak. The
+    DP's grid is a fraction of the budget it is given, so its answers are not monotone to the
+    byte: from there, each step asks for a plan one byte below the smallest budget found to
+    fit, and goes down to that plan's peak, until there is none."""
     singles = [[o for o in opts if o.span == 1] for opts in chain]
     high = max(
         chain_peak(costs, [min(opts, key=lambda o: o.kept + o.backward) for opts in singles]), 1
@@ -947,7 +947,12 @@ def solve(
 def _chain_solver(chain: list[list[ChainOption]], optimal: bool) -> str:
     """How the chain was solved, for the plan (see [ Casts cached to the forward's end ])."""
     if not any(o.cached for opts in chain for o in opts):
-        return "exact DP over the chain of blocks"
+        if optimal:
+            return "exact DP over the chain of blocks"
+        return (
+            "DP over the chain of blocks, on a budget lowered past its grid's rounding "
+            "(not proven optimal)"
+        )
     proof = "optimal" if optimal else f"not proven optimal within {CHAIN_MILP_SECONDS:g} s"
     return f"DP, then HiGHS MILP over the chain of blocks (casts cached under autocast; {proof})"
 
