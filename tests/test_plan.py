@@ -547,6 +547,27 @@ def test_a_plan_measured_on_another_kind_of_device_warns_once_where_it_runs() ->
         train(unrecorded.apply(copy.deepcopy(model)), batches, _lm_loss)
 
 
+def test_a_first_block_without_parameters_runs_where_its_inputs_are() -> None:
+    """A planned block may hold no parameters (``blocks=`` names any module that computes a
+    gradient): the device it runs on is its inputs', not the CPU by default, so a plan made
+    there does not warn of another device, and one made elsewhere does."""
+    from remat.planning.apply import UnlikeProfiled
+
+    block = nn.GELU()
+    x = torch.randn(4, 8, device="meta")  # a device of its own here, without a GPU
+
+    def hook(device: str) -> UnlikeProfiled:
+        made = UnlikeProfiled("blocks.0", 0, 1 << 20, None, device)
+        made.warned.add("autocast")  # the meta device has no autocast to ask about
+        return made
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hook("meta")(block, (x,), {})
+    with pytest.warns(UserWarning, match="runs on meta, but the plan was measured on cuda"):
+        hook("cuda")(block, (x,), {})
+
+
 def _autocast_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 2) -> Any:
     """A mixed-precision loop: forward and loss inside torch.autocast, backward outside; the
     losses, gradients and parameters of each step."""
