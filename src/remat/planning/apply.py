@@ -104,7 +104,7 @@ from ..store import offload
 from ..store.scope import _NAMES
 from ._autocast import Autocast
 from ._budget import fmt_bytes
-from .profile import KeyCounter
+from .profile import KeyCounter, device_of
 
 __all__ = ["Linked", "LinkedForward", "PlanPolicy", "Segment", "SegmentForward"]
 
@@ -292,7 +292,7 @@ class UnlikeProfiled:
                     f"{fmt_bytes(self.measured)}; activation memory grows with them",
                     "Plan with the largest batch you train on.",
                 )
-        device = _device_type(block, (args, kwargs))
+        device = device_of(block, (args, kwargs)).type
         if self.device is not None and device != self.device and "device" not in self.warned:
             self.warned.add("device")
             self._warn(
@@ -323,15 +323,6 @@ class UnlikeProfiled:
             f"{fmt_bytes(self.budget)} does not hold for this step (gradients stay exact). {fix}",
             stacklevel=3,
         )
-
-
-def _device_type(block: nn.Module, inputs: Any) -> str:
-    """Where ``block`` runs: its parameters' device, else its first tensor input's."""
-    param = next(block.parameters(), None)
-    if param is not None:
-        return param.device.type
-    tensor = next((t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
-    return tensor.device.type if tensor is not None else "cpu"
 
 
 def input_bytes(inputs: Any) -> int:

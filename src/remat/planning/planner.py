@@ -67,6 +67,7 @@ from .cost import PlainStep, measure_memory, measure_plain_step, measure_seconds
 from .profile import (
     BlockProfile,
     capture,
+    device_of,
     find_blocks,
     first_tensor,
     fresh_inputs,
@@ -217,7 +218,7 @@ def _chains(block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]]) ->
     args, kwargs = fresh_inputs(inputs)
     if not args or not isinstance(args[0], torch.Tensor):
         return False
-    with _as_found(block, _device_of(block)), torch.no_grad(), loop_forward():
+    with _as_found(block, device_of(block, inputs)), torch.no_grad(), loop_forward():
         out = block(*args, **kwargs)
     t = next((v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)), None)
     return t is not None and t.shape == args[0].shape and t.dtype == args[0].dtype
@@ -733,12 +734,6 @@ def _uses(o: Option) -> set[str]:
     return used
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    """The device of ``model``'s first parameter: where its step runs and is measured."""
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
 @contextlib.contextmanager
 def _as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
     """Planning leaves the model as it found it: buffers (BatchNorm statistics), gradients,
@@ -777,7 +772,7 @@ def profile_model(
     """Measure ``model``'s plain step and each block type's options (see ``cost.py``)."""
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.plan: expected an nn.Module, got {type(model).__name__}.")
-    device = _device_of(model)
+    device = device_of(model, example_inputs)
     if device.type not in ("cpu", "cuda"):
         # Each option's memory is read from the CPU allocator's events or the CUDA
         # allocator's counters (``cost.timeline``).
@@ -981,7 +976,7 @@ def measured_peak(
 ) -> int:
     """The peak activation memory of one step of ``model`` set up as ``plan`` says (after a
     warm-up step), measured as the profile was; the model is left as it was found."""
-    device = _device_of(model)
+    device = device_of(model, example_inputs)
     blocks = [model.get_submodule(b["path"]) for b in plan.blocks]
     with outside(Autocast.from_json(plan.autocast)), _as_found(model, device):
         try:

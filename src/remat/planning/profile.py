@@ -410,6 +410,16 @@ class _Timer(EagerMode):
         return [max(h, d) for h, d in zip(self.host, device, strict=True)]
 
 
+def device_of(module: nn.Module, inputs: Any = None) -> torch.device:
+    """Where ``module`` runs: its parameters' device, else that of the first tensor among
+    ``inputs``, else the CPU."""
+    param = next(module.parameters(), None)
+    if param is not None:
+        return param.device
+    tensor = next((t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device``: a step is timed, or measured, to its end."""
     if device.type == "cuda":
