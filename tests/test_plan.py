@@ -1026,7 +1026,7 @@ def test_the_planners_cuda_path_runs_with_torch_cuda_answered_on_the_cpu(
         }
         for name, fake in fakes.items():
             monkeypatch.setattr(torch.cuda, name, fake)
-        monkeypatch.setattr(planner, "_device_of", lambda m: cuda)
+        monkeypatch.setattr(planner, "device_of", lambda m, inputs=None: cuda)
         _FakeEvent.recorded = []
         blocks = [path for path, _ in workload.blocks(model)]
         with warnings.catch_warnings():
