@@ -937,8 +937,11 @@ def test_the_planner_on_allocator_counters_predicts_what_they_measure(
     """On CUDA the planner measures memory by the allocator's counters (``_CudaCounters``),
     marking a step's points by reading them (``counter_timeline``). The same path runs here on
     counters kept by ``remat.MemoryTracker``: every measurement of the profile and the plan's
-    check come from them, and the plan's predicted peak is what they measure, to the byte,
-    at the first solve; the plan is exact (the ConvNet has BatchNorm)."""
+    check come from them, and the plan's predicted peak is what they measure, at the first
+    solve; the plan is exact (the ConvNet has BatchNorm). To the byte in most runs; the
+    tracker's books miss storages made outside an operator and frees of storages they never
+    saw, and in one full-suite run the ConvNet's plan measured 128 bytes above its prediction,
+    so a kilobyte is allowed (a broken counter path misses by far more)."""
     from remat.planning import cost
     from remat.workloads import get_workload
 
@@ -953,7 +956,9 @@ def test_the_planner_on_allocator_counters_predicts_what_they_measure(
     blocks = [path for path, _ in workload.blocks(model)]
     plan = remat.plan(model, x, budget, loss_fn, blocks=blocks, repeats=1)
     assert plan.measured["solves"] == 1
-    assert plan.predicted_peak == plan.measured["verified_peak"] <= plan.budget < plan.plain_peak
+    verified = plan.measured["verified_peak"]
+    assert abs(plan.predicted_peak - verified) <= 1024, (plan.predicted_peak, verified)
+    assert verified <= plan.budget < plan.plain_peak
     assert any(b["option"] != "plain" for b in plan.blocks)
     batches = [(x, target)] * 2
     assert_records_equal(
