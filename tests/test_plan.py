@@ -148,6 +148,23 @@ def test_fit_with_batchnorm_and_dropout_is_exact() -> None:
     assert_records_equal(train(before, batches, loss_fn), train(fitted, batches, loss_fn))
 
 
+def test_planning_mid_accumulation_puts_back_each_gradient_tensor_and_the_generator() -> None:
+    """Planned between two backwards of an accumulation, the model keeps its gradients as
+    the same tensors (a reference held to one, or a view into a bucket, stays the gradient)
+    with their values, and the CPU generator's state is as it was."""
+    model, x, target = _convnet()
+    loss_fn = nn.functional.cross_entropy
+    loss_fn(model(x), target).backward()
+    held = [(p, p.grad, p.grad.clone()) for p in model.parameters() if p.grad is not None]
+    assert held
+    rng = torch.get_rng_state()
+    remat.plan(model, x, budget="70%", loss_fn=lambda o: loss_fn(o, target), repeats=0)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for p, grad, value in held:
+        assert p.grad is grad
+        assert torch.equal(grad, value)
+
+
 class _Heads(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -835,6 +852,53 @@ def test_a_planned_model_in_a_users_loop_with_save_and_resume(tmp_path: Any) -> 
         return remat.Plan.load(tmp_path / "plan.json").apply(resumed)
 
     assert_save_and_resume_exact(model, plain, resume, lambda m: _lm_loss(m(x), y), tmp_path)
+
+
+def test_a_planned_model_saved_whole_between_steps_resumes_exactly(tmp_path: Any) -> None:
+    """``torch.save({"model": model, ...})`` of a model whose plan has per-op options, after
+    steps have run (the plan's policies hold the ops of the call they counted): it pickles, and
+    the loaded model follows the plan and trains on bit-equal to a plain run."""
+    torch.manual_seed(0)
+    model = _Stack().train()
+    x = torch.randn(512, 256)
+    plain = copy.deepcopy(model)
+    plan = remat.fit(model, x, budget="70%", repeats=0, points=4)
+    assert any(b["option"].startswith("graph") for b in plan.blocks), plan.summary()
+
+    def steps(m: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> list[Any]:
+        out: list[Any] = []
+        for step in range(first, last):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            loss = m(x).square().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.5)
+            out += [loss.detach(), *[p.grad.clone() for p in m.parameters()]]  # type: ignore[union-attr]
+            opt.step()
+        return out
+
+    def adamw(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+    expected = steps(plain, adamw(plain), 0, 3)
+    opt = adamw(model)
+    got = steps(model, opt, 0, 2)
+    torch.save({"model": model, "opt": opt.state_dict()}, tmp_path / "whole.pt")
+    saved = torch.load(tmp_path / "whole.pt", weights_only=False)
+    resumed = saved["model"]
+    resumed_opt = adamw(resumed)
+    resumed_opt.load_state_dict(saved["opt"])
+    got += steps(resumed, resumed_opt, 2, 3)
+    assert len(got) == len(expected)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    policies = [
+        m.forward.options.policy
+        for m in resumed.modules()
+        if remat.modules.is_wrapped(m)
+        and isinstance(m.forward.options.policy, remat.planning.apply.PlanPolicy)
+    ]
+    assert policies and all(p.followed > 0 and p.unfollowed == 0 for p in policies)
 
 
 def test_the_measured_check_leaves_the_report_to_the_users_apply() -> None:

@@ -741,9 +741,12 @@ def _as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
     [ Explicit generators ] in _ambient.py) are put back on the way out."""
     explicit = [(g, g.get_state()) for g in generators_in(model)]
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    # Each gradient is put back as the tensor it was (a user's reference to it, or a view
+    # into a bucket such as DDP's gradient_as_bucket_view, stays valid), with its values.
     grads = {
-        n: (p.grad.detach().clone() if p.grad is not None else None)
+        n: (p.grad, p.grad.detach().clone())
         for n, p in model.named_parameters()
+        if p.grad is not None
     }
     try:
         with restoring_rng(((device.type, None),) if device.type != "cpu" else ()):
@@ -754,8 +757,11 @@ def _as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
             for n, b in model.named_buffers():
                 if n in buffers:
                     b.copy_(buffers[n])
-        for n, p in model.named_parameters():
-            p.grad = grads.get(n)
+            for n, p in model.named_parameters():
+                entry = grads.get(n)
+                if entry is not None:
+                    entry[0].copy_(entry[1])
+                p.grad = entry[0] if entry is not None else None
 
 
 def profile_model(
