@@ -208,7 +208,11 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     with gloo_group(rank, world, port):
 
         def loop(model: nn.Module) -> list[torch.Tensor]:
-            ddp = DistributedDataParallel(model)
+            ddp = (
+                model
+                if isinstance(model, DistributedDataParallel)
+                else DistributedDataParallel(model)
+            )
             optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
             seen = []
             for step in range(3):
@@ -233,6 +237,36 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             results[kind] = len(got) == len(expected) and all(
                 torch.equal(a, b) for a, b in zip(expected, got, strict=True)
             )
+        # Planned after wrapping, as a script that wraps first does: the planner measures the
+        # module inside, so no measured step runs the wrapper's collectives (ranks that measured
+        # differently would run different numbers of them), and the plan's paths are the
+        # module's own.
+        wrapped = DistributedDataParallel(ddp_model())
+        calls = []
+        forward = DistributedDataParallel.forward
+
+        def counted(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return forward(self, *args, **kwargs)
+
+        DistributedDataParallel.forward = counted  # type: ignore[method-assign]
+        try:
+            x, labels = ddp_batch(10 * rank)
+            plan = remat.fit(
+                wrapped,
+                x,
+                budget="70%",
+                loss_fn=lambda out: F.cross_entropy(out, labels),
+                repeats=0,
+            )
+        finally:
+            DistributedDataParallel.forward = forward  # type: ignore[method-assign]
+        results["wrapper_calls_while_planning"] = len(calls)
+        results["paths_of_the_module_inside"] = [b["path"] for b in plan.blocks][:2]
+        got = loop(wrapped)
+        results["fit_wrapped"] = len(got) == len(expected) and all(
+            torch.equal(a, b) for a, b in zip(expected, got, strict=True)
+        )
         gathered = [torch.zeros_like(expected[2]) for _ in range(world)]
         dist.all_gather(gathered, expected[2])  # all-reduced: every rank holds the same
         same = all(torch.equal(g, gathered[0]) for g in gathered)
@@ -270,11 +304,16 @@ RANKS_SECONDS = 300
 def test_user_loop_under_distributed_data_parallel_equals_plain(tmp_path: Path) -> None:
     """Two processes, DistributedDataParallel over gloo, each rank with its own batches and
     dropout draws: under each remat mechanism (a planned model too, planned on each rank
-    before wrapping) the loop's losses, gradient norms, all-reduced gradients and parameters
-    equal the plain model's under DistributedDataParallel, bit for bit."""
+    before wrapping, and after it) the loop's losses, gradient norms, all-reduced gradients
+    and parameters equal the plain model's under DistributedDataParallel, bit for bit."""
     for results in ranks_results(_ddp_worker, tmp_path):
         assert results.pop("planned_blocks") > 0
-        assert results == {**dict.fromkeys(DDP_KINDS, True), "grads_differ_across_ranks": False}
+        assert results.pop("paths_of_the_module_inside") == ["0", "1"]
+        assert results == {
+            **dict.fromkeys((*DDP_KINDS, "fit_wrapped"), True),
+            "wrapper_calls_while_planning": 0,
+            "grads_differ_across_ranks": False,
+        }
 
 
 def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:

@@ -205,15 +205,6 @@ def is_compiled(function: Any) -> bool:
     )
 
 
-def uncompiled(model: Any) -> Any:
-    """The module ``torch.compile`` wrapped, or ``model`` itself. The planner measures and sets
-    up the eager module; the compiled wrapper traces it again at its next call, since Dynamo
-    guards on the forwards that a plan replaces."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        return model._orig_mod
-    return model
-
-
 class CompiledRegion:
     """A compiled callable as a region's function: recomputed without dispatch modes, module
     buffers restored after it; see [ Compiled functions inside a region ]."""

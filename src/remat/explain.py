@@ -57,10 +57,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import _state
 from ._aten import op_info
 from ._aten import storage_key as _key
-from ._compile import uncompiled
 from ._dispatch import EagerMode
 from ._nodes import Ref, _Input
 from .errors import RematError
+from .modules import unwrapped
 from .store._store import Saved
 
 __all__ = ["SavedTensor", "SavedTensorReport", "explain"]
@@ -468,7 +468,7 @@ def explain(
         )
     if _state.state.observer is not None:
         raise RematError("remat.explain: already explaining on this thread; calls do not nest.")
-    model_or_fn = uncompiled(model_or_fn)
+    model_or_fn = unwrapped(model_or_fn)
     model = model_or_fn if isinstance(model_or_fn, nn.Module) else None
     modules = [""]
     params = {key for p in (model.parameters() if model is not None else ()) if (key := _key(p))}

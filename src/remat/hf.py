@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from . import modules
-from ._compile import uncompiled
 from .errors import RematError
+from .modules import unwrapped
 from .policies import Policy
 
 __all__ = ["disable", "enable", "layer_classes"]
@@ -116,7 +116,7 @@ def enable(
     """
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.hf.enable: expected an nn.Module, got {type(model).__name__}.")
-    compiled, model = model, uncompiled(model)  # a torch.compile'd model: the module it wraps
+    compiled, model = model, unwrapped(model)  # a torch.compile'd model: the module it wraps
     if budget is not None and policy is not None:
         raise RematError(
             "remat.hf.enable: got both policy= and budget=; a budget lets the planner choose "
@@ -149,7 +149,7 @@ def disable(model: nn.Module) -> nn.Module:
     (policies, offload scopes, segments), runs plainly again; return the model."""
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.hf.disable: expected an nn.Module, got {type(model).__name__}.")
-    compiled, model = model, uncompiled(model)
+    compiled, model = model, unwrapped(model)
     from .planning.apply import undo_option, undo_segment_on
 
     found = 0

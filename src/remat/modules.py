@@ -560,3 +560,21 @@ def _run_steps(steps: Sequence[Callable[..., Any]], x: Any) -> Any:
     for step in steps:
         x = step(x)
     return x
+
+
+def unwrapped(model: Any) -> Any:
+    """The module inside the wrappers ``torch.compile``, ``DistributedDataParallel`` and
+    ``nn.DataParallel`` put around a model (through any nesting of them), or ``model`` itself.
+
+    The planner measures and sets up that module, so a plan's paths are the same with and
+    without the wrappers, and its measured steps run no collective (ranks that measured
+    differently would run different numbers of steps). A compiled wrapper traces the module
+    again at its next call, since Dynamo guards on the forwards that a plan replaces."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    while True:
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, wrappers):
+            model = model.module
+        else:
+            return model

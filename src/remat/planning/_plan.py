@@ -14,9 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from .._compile import uncompiled
 from ..errors import RematError
-from ..modules import guard_hf_checkpointing
+from ..modules import guard_hf_checkpointing, unwrapped
 from ._autocast import Autocast
 from ._budget import fmt_bytes
 from .apply import (
@@ -132,8 +131,9 @@ class Plan:
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Set ``model``'s blocks up as planned, in place; returns ``model``. A model that
-        ``torch.compile`` returned is set up through the module it wraps."""
-        compiled, model = model, uncompiled(model)
+        ``torch.compile``, ``DistributedDataParallel`` or ``nn.DataParallel`` wraps is set up
+        through the module inside, as :func:`remat.plan` plans it."""
+        compiled, model = model, unwrapped(model)
         check_fingerprint(self.fingerprint, fingerprint(model, [b["path"] for b in self.blocks]))
         refuse_set_up("Plan.apply", model, "a plan sets up a model that runs plainly")
         self.policies = []

@@ -48,9 +48,9 @@ from torch.utils import _pytree as pytree
 
 from .. import modules
 from .._ambient import restoring_rng, set_generators
-from .._compile import uncompiled
 from .._guard import generators_in
 from ..errors import NoPlanFits, RematError
+from ..modules import unwrapped
 from ._autocast import Autocast, loop_forward, outside
 from ._budget import fmt_bytes, parse_budget
 from ._plan import Option, Plan, fingerprint, segments
@@ -1111,7 +1111,10 @@ def plan(
     measured step (see :func:`solve_measured`).
 
     Args:
-        model: the model, in the mode it trains in (``model.train()``).
+        model: the model, in the mode it trains in (``model.train()``). One that
+            ``torch.compile``, ``DistributedDataParallel`` or ``nn.DataParallel`` wraps is
+            planned through the module inside: the plan's paths are the same with and without
+            them, and no measured step runs a collective.
         example_inputs: one step's inputs: a tensor, a tuple of positional inputs, or a dict
             of keyword inputs (a Hugging Face batch).
         budget: activation memory (the step's peak above parameters, gradients and optimizer
@@ -1146,7 +1149,7 @@ def plan(
     naming the smallest budget that fits.
     """
     parse_budget(budget, 1)  # a malformed budget fails before any work
-    model = uncompiled(model)
+    model = unwrapped(model)
     if isinstance(model, nn.Module):
         why = (
             "the profile would measure its recompute as the plain step, and the plan run around it"
