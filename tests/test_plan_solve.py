@@ -13,6 +13,7 @@ from remat.planning.solve import (
     REPLAY_OVERHEAD,
     ChainCosts,
     ChainOption,
+    _chain_dp,
     _fastest,
     _raised_dp,
     brute_force_block,
@@ -356,6 +357,36 @@ def test_a_budget_some_assignment_fits_is_never_refused_on_a_coarse_grid(seed: i
         picks = chain_dp(costs, blocks, budget, grid=32, rgrid=8)
         assert picks is not None, budget
         assert chain_peak(costs, chosen(blocks, picks)) <= budget
+
+
+def test_an_answer_the_dp_found_on_a_lowered_target_is_bettered_or_proven() -> None:
+    """Where the grid's rounding sends the DP to lowered targets, its answer fits but may be
+    slower than the fastest that fits (on these chains, up to twice as slow): the chain's
+    MILP then finds the fastest, or proves the DP's answer is. On a coarse grid, so that
+    rounding bites on small chains."""
+    unsettled = slower = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        options = _random_options(rng, 3, (0, 2, 1))
+        blocks = [options] * rng.randrange(4, 7)
+        costs = ChainCosts(head=rng.randrange(0, 500), before=rng.randrange(0, 200), tail=50)
+        for _ in range(6):
+            assignment = [rng.choice(options) for _ in blocks]
+            budget = chain_peak(costs, assignment) + rng.randrange(0, 40)
+            dp, settled = _chain_dp(costs, blocks, budget, 16, 4)
+            if settled:
+                continue
+            unsettled += 1
+            expected = chain_brute_force(costs, blocks, budget)
+            assert expected is not None  # ``assignment`` fits
+            if dp is None or sum(o.seconds for o in chosen(blocks, dp)) > expected + 1e-9:
+                slower += 1
+            picks, optimal = chain_solve(costs, blocks, budget, 16, 4)
+            assert optimal and picks is not None
+            options_found = chosen(blocks, picks)
+            assert chain_peak(costs, options_found) <= budget
+            assert sum(o.seconds for o in options_found) == pytest.approx(expected, abs=1e-9)
+    assert unsettled >= 10 and slower >= 3, (unsettled, slower)
 
 
 def test_a_plan_that_meets_the_budget_to_the_byte_is_found_where_a_faster_one_is_just_over() -> (

@@ -49,12 +49,14 @@ so that the grid never refuses an assignment the exact model fits (an every-othe
 whose peak is the budget to the byte); an answer the exact model puts over the budget is
 solved again on finer grids (up to 1/16384 of the budget). Where the finest grid still admits
 one, the DP is solved on tighter budgets, which can shut out the fastest assignment that fits
-(its answer is then marked not proven optimal), or every one: on a U-Net, every block
-recomputed fit the budget to the byte, and faster assignments a few kilobytes over it kept
-the DP's answers off it until none was left. Then the chain's MILP (:func:`_chain_milp`, exact
-for the model) decides. (Run after every such answer, to prove it optimal or beat it, the MILP
-took seconds a budget on a 48-block chain, whose identical blocks give it many equivalent
-orders, and mostly found the DP's answer.) What the DP returns always fits.
+(on small random chains on a coarse grid, answers up to twice as slow), or every one: on a
+U-Net, every block recomputed fit the budget to the byte, and faster assignments a few
+kilobytes over it kept the DP's answers off it until none was left. Then the chain's MILP
+(:func:`_chain_milp`, exact for the model) decides, given the DP's answer as a bound: it finds
+a faster one that fits, or proves there is none, or stops at its time limit with the DP's
+answer marked not proven optimal. Settled answers, nearly all, skip it: on a 48-block chain,
+whose identical blocks give it many equivalent orders, it takes seconds a budget. What the
+solver returns always fits.
 
 NOTE [ Segments ]
 
@@ -432,21 +434,34 @@ def chain_solve(
     #    its peak (every block plain, at a large budget), it is optimal and step 2 never runs.
     if not any(o.cached for opts in blocks for o in opts):
         picks, settled = _chain_dp(costs, blocks, budget, grid, rgrid)
-        if settled or picks is not None:
-            return ChainAnswer(picks, settled)
-        # The grid's rounding kept admitting answers over the budget until none was left (see
-        # [ The chain DP ]): whether one fits is the MILP's to say.
-        return _chain_milp(costs, blocks, budget, None, time_limit)
+        if settled:
+            return ChainAnswer(picks, True)
+        # The grid's rounding admitted answers over the budget until the DP solved on
+        # lowered targets (see [ The chain DP ]): whether a faster answer fits, or any where
+        # it found none, is the MILP's to say.
+        return _bettered(costs, blocks, budget, picks, time_limit)
     fastest, _ = _fastest(blocks)
     raised = _raised_dp(costs, blocks, budget, grid, rgrid, fastest)
-    bound = None if raised is None else sum(o.seconds for o in chosen(blocks, raised))
-    if bound is not None and bound <= fastest:
+    if raised is not None and sum(o.seconds for o in chosen(blocks, raised)) <= fastest:
         return ChainAnswer(raised, True)  # as fast as any assignment, fitting or not
+    return _bettered(costs, blocks, budget, raised, time_limit)
+
+
+def _bettered(
+    costs: ChainCosts,
+    blocks: Sequence[Sequence[ChainOption]],
+    budget: int,
+    picks: list[int] | None,
+    time_limit: float,
+) -> ChainAnswer:
+    """``picks`` (an answer that fits, or None), or a faster one that fits: the chain's MILP
+    looks for one faster than ``picks``; where it proves none exists, ``picks`` is optimal."""
+    bound = None if picks is None else sum(o.seconds for o in chosen(blocks, picks))
     found = _chain_milp(costs, blocks, budget, bound, time_limit)
     if found.picks is None:  # nothing faster than the bound fits
-        return ChainAnswer(raised, found.optimal)
+        return ChainAnswer(picks, found.optimal)
     if bound is not None and sum(o.seconds for o in chosen(blocks, found.picks)) >= bound:
-        return ChainAnswer(raised, found.optimal)  # within HiGHS' tolerance of the bound
+        return ChainAnswer(picks, found.optimal)  # within HiGHS' tolerance of the bound
     return found
 
 
