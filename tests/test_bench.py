@@ -143,6 +143,35 @@ def test_json_and_plot_are_written(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "out.png"]
 
 
+def test_the_printed_table_cuts_no_header_or_cell(capsys: pytest.CaptureFixture[str]) -> None:
+    """In a log (stdout not a terminal), the table is printed as wide as its widest row: a
+    planned row at a budget no plan fits, with a long strategy name, cuts nothing."""
+    result = _result()
+    long = report.Row(
+        "remat-auto-disk@torch-every-2",
+        "p",
+        15 * 2**20,
+        0.15,
+        1.6,
+        1.6,
+        True,
+        "remat-graph-mm-disk",
+        1.532,
+        predicted_peak_bytes=15 * 2**20,
+        predicted_time_ratio=1.55,
+        budget_bytes=15 * 2**20,
+        budget_feasible=False,
+    )
+    result.rows.append(long)
+    report.print_table(result)
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert "remat-auto-disk@torch-every-2" in out and "1.532 (remat-graph-mm-disk)" in out
+    assert "(no plan fits; smallest 15.0 MiB)" in out
+    for header in ("peak act. MiB", "predicted MiB / time", "time vs torch", "grads equal"):
+        assert header in out
+
+
 def _boxes(
     centres: list[tuple[float, float]],
     sizes: list[tuple[float, float]],

@@ -227,12 +227,7 @@ def _bench(args: argparse.Namespace) -> int:
         base, strategies, args.rounds, args.processes, workload, name, not args.no_progress
     )
 
-    from rich.console import Console
-
-    console = Console()
-    if console.width < 160:  # a log or a narrow terminal: wide enough that no column is cut
-        console = Console(width=160)
-    console.print(report.table(result))
+    report.print_table(result)
     if result.recording_us_per_op is not None:
         floor = result.dispatch_mode_us_per_op
         print(

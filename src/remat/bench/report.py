@@ -196,6 +196,20 @@ def table(result: Result) -> Any:
     return t
 
 
+def print_table(result: Result) -> None:
+    """Print :func:`table` to stdout, in a log or a narrow terminal as wide as the table, so
+    that no header or cell is cut."""
+    from rich.console import Console
+
+    console = Console()
+    results = table(result)
+    unbounded = console.options.update_width(10_000)
+    needed = max(console.measure(results, options=unbounded).maximum, 160)
+    if console.width < needed:
+        console = Console(width=needed)
+    console.print(results)
+
+
 def _vs(row: Row) -> str:
     if row.counterpart is None or row.counterpart_time_ratio is None:
         return ""
