@@ -623,3 +623,33 @@ def segments_of(plan: remat.Plan) -> list[list[str]]:
     from remat.planning._plan import segments
 
     return segments(plan.blocks)
+
+
+def test_the_summary_lists_blocks_by_path_in_runs_of_one_option() -> None:
+    """Each line of the summary's block list is a run of consecutive blocks with one option,
+    by path; a run of segments counts blocks and segments, so that 2x segment-2 cannot be
+    read as two blocks."""
+    from remat.planning._plan import _block_runs
+
+    def block(i: int, option: str, segment: int | None = None, kind: str = "A") -> dict[str, Any]:
+        found: dict[str, Any] = {"path": f"l.{i}", "type": kind, "option": option}
+        if segment is not None:
+            found["segment"] = f"l.{segment}"
+        return found
+
+    blocks = [
+        block(0, "graph-4"),
+        *(block(i, "segment-2", 1 + 2 * ((i - 1) // 2)) for i in range(1, 5)),
+        *(block(i, "segment-3", 5) for i in range(5, 8)),
+        block(8, "region"),
+        block(9, "region"),
+        block(10, "plain", kind="B"),
+    ]
+    assert _block_runs(blocks, several_types=False) == [
+        "    l.0       graph-4",
+        "    l.1..l.4  segment-2 (4 blocks, 2 segments)",
+        "    l.5..l.7  segment-3 (3 blocks, one segment)",
+        "    l.8..l.9  region (2 blocks)",
+        "    l.10      plain",
+    ]
+    assert _block_runs(blocks, several_types=True)[-1] == "    l.10      B: plain"

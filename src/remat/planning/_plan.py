@@ -208,18 +208,8 @@ class Plan:
                 f"  measured peak {fmt_bytes(verified)} in one step of the applied plan "
                 f"({self.measured.get('solves', 1)} solve(s))"
             )
-        runs: list[tuple[str, int]] = []
-        for block in self.blocks:
-            if block.get("segment", block["path"]) != block["path"]:
-                continue  # counted at the segment's first block
-            label = f"{block['type']}: {block['option']}"
-            if runs and runs[-1][0] == label:
-                runs[-1] = (label, runs[-1][1] + 1)
-            else:
-                runs.append((label, 1))
-        lines.append(
-            "  blocks in forward order: " + ", ".join(f"{n}x {label}" for label, n in runs)
-        )
+        lines.append("  blocks in forward order:")
+        lines += _block_runs(self.blocks, several_types=len(self.options) > 1)
         for name, options in self.options.items():
             lines.append(
                 f"  options of {name} (kept, backward peak: measured; extra time: "
@@ -312,6 +302,34 @@ def fingerprint(model: nn.Module, blocks: list[str]) -> dict[str, Any]:
         if all(_has(model, b) for b in blocks)
         else [[b, "?"] for b in blocks],
     }
+
+
+def _block_runs(blocks: list[dict[str, Any]], several_types: bool) -> list[str]:
+    """The summary's lines for ``blocks``: one per run of consecutive blocks with the same
+    option, by path, with how many blocks (or segments) it holds."""
+    runs: list[list[Any]] = []  # first path, last path, label, blocks, segments
+    for block in blocks:
+        path = block["path"]
+        if block.get("segment", path) != path:  # inside a segment started earlier
+            runs[-1][1] = path
+            runs[-1][3] += 1
+            continue
+        label = (f"{block['type']}: " if several_types else "") + block["option"]
+        if runs and runs[-1][2] == label:
+            runs[-1][1] = path
+            runs[-1][3] += 1
+            runs[-1][4] += 1
+        else:
+            runs.append([path, path, label, 1, 1])
+    spans = [first if first == last else f"{first}..{last}" for first, last, *_ in runs]
+    width = max(map(len, spans), default=0)
+    lines = []
+    for span, (_, _, label, count, units) in zip(spans, runs, strict=True):
+        many = f"{count} blocks"
+        if "segment-" in label:
+            many += ", one segment" if units == 1 else f", {units} segments"
+        lines.append(f"    {span:<{width}}  {label}" + (f" ({many})" if count > 1 else ""))
+    return lines
 
 
 def _has(model: nn.Module, path: str) -> bool:
