@@ -388,6 +388,11 @@ def test_a_loss_that_cannot_be_planned_raises_a_clear_error() -> None:
     frozen = copy.deepcopy(model).requires_grad_(False)
     with pytest.raises(remat.RematError, match="the loss does not require grad"):
         remat.plan(frozen, x, loss_fn=lambda out: _lm_loss(out, y))
+    # Without loss_fn the loss is the sum of the output, which must then be a tensor.
+    as_dict = nn.ModuleDict({"gpt": model})
+    as_dict.forward = lambda x: {"logits": as_dict["gpt"](x)}  # type: ignore[method-assign]
+    with pytest.raises(remat.RematError, match=r"returned dict, and without loss_fn"):
+        remat.plan(as_dict, x)
 
 
 def test_budget_texts() -> None:

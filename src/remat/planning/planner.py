@@ -110,7 +110,16 @@ def _step(
         # The output is not held during backward, as in a training loop that keeps the loss.
         with loop_forward():
             out = model(*args, **kwargs)
-            loss = loss_fn(out) if loss_fn is not None else out.sum()
+            if loss_fn is not None:
+                loss = loss_fn(out)
+            elif isinstance(out, torch.Tensor):
+                loss = out.sum()
+            else:
+                raise RematError(
+                    f"remat.plan: the model returned {type(out).__name__}, and without "
+                    "loss_fn the loss is the sum of a tensor output; pass the loss the loop "
+                    "computes, e.g. loss_fn=lambda out: criterion(out['logits'], target)."
+                )
             if forward_end is not None:
                 forward_end()
         del out
@@ -1120,7 +1129,8 @@ def plan(
         budget: activation memory (the step's peak above parameters, gradients and optimizer
             state): a fraction of the plain step's (``"50%"``, ``0.5``) or bytes
             (``600 * 2**20``, ``"1.5GiB"``).
-        loss_fn: ``loss_fn(output) -> scalar``; by default the sum of the output.
+        loss_fn: ``loss_fn(output) -> scalar``; by default the sum of the output, which must
+            then be a tensor.
         blocks: the repeated blocks, as submodule paths (each must run and compute a gradient
             in the step) or a module class or tuple of classes; by default every child of an
             ``nn.ModuleList``/``nn.Sequential`` in a run of two or more of one class (a
