@@ -272,3 +272,97 @@ def test_an_option_that_offloads_never_drops_one_that_does_not() -> None:
     slow = Option("offload-disk", "plain", kept=0, backward=10, seconds=0.5, tier="disk")
     slow.forward = 100
     assert "offload-disk" in [o.name for o in undominated([plain, region, slow, on_disk])]
+
+
+def test_offloading_is_timed_on_every_block_of_a_type_at_once(disk: DiskTier) -> None:
+    """``_offload_across`` runs whole steps with every block of the type offloaded, against
+    plain ones (the tier writes every block's saved tensors in each offloaded step, and nothing
+    in the plain ones), and leaves the blocks as it found them: see [ Offload priced across
+    the chain ]."""
+    from remat.planning.planner import _offload_across, _offloaded_bytes, _step
+
+    model = _build()
+    paths = [f"blocks.{i}" for i in range(6)]
+    step = _step(model, X, _loss)
+    profile = profile_block(model.blocks[0], ((X,), {}), "MLPBlock", torch.device("cpu"))
+    before = disk.stats.bytes_written
+    seconds = _offload_across(model, paths, step, torch.device("cpu"), "disk", pairs=3)
+    across = disk.stats.bytes_written - before
+    assert seconds >= 0.0
+    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in model.blocks)
+    assert _files(disk) == []
+    # One step with every block offloaded, by hand.
+    for block, path in zip(model.blocks, paths, strict=True):
+        apply_option(block, path, "plain", {}, "disk")
+    before = disk.stats.bytes_written
+    step()
+    one = disk.stats.bytes_written - before
+    for block in model.blocks:
+        undo_option(block)
+    # One offloaded step to warm up, then one per pair; each writes what every block saves.
+    assert across == 4 * one
+    assert one >= 6 * _offloaded_bytes(profile) > 0
+
+
+def test_what_offloading_costs_across_the_chain_is_added_by_bytes_moved() -> None:
+    """Each option that uses the tier pays the excess of the chain's per-block timing over the
+    one-block timing, per byte it moves; options that do not use it are untouched."""
+    from remat.planning.planner import _price_across
+    from remat.planning.profile import BlockProfile, OpRecord
+
+    ops = [
+        OpRecord(key="a", bytes=6000, saved=True, deps=(), must_save=False),
+        OpRecord(key="b", bytes=4000, saved=True, deps=(0,), must_save=False),
+    ]
+    profile = BlockProfile(name="B", ops=ops, forward_seconds=0.0)
+    inputs = ((torch.zeros(250),), {})  # 1,000 bytes: what a region or segment offloads
+    everything = Option("offload-disk", "plain", 0, 0, 0.0, 0.010, tier="disk")
+    region = Option("region-disk", "region", 0, 0, 0.0, 0.012, tier="disk")
+    segment = Option("segment-2-disk", "segment", 0, 0, 0.0, 0.030, span=2, tier="disk")
+    graph = Option(
+        "graph-0-disk", "graph", 0, 0, 0.0, 0.005, decisions={"a": "recompute", "b": "disk"}
+    )
+    _price_across([everything, region, segment, graph], 0.016, profile, inputs, "disk")
+    # 6 ms more a block for the 10,000 bytes everything moves: 0.6 us a byte.
+    assert everything.measured_seconds == pytest.approx(0.016)
+    assert region.measured_seconds == pytest.approx(0.012 + 0.0006)
+    assert segment.measured_seconds == pytest.approx(0.030 + 0.0006)
+    assert graph.measured_seconds == pytest.approx(0.005 + 0.0024)
+    # Cheaper across the chain than alone: nothing changes.
+    _price_across([region], 0.001, profile, inputs, "disk")
+    assert region.measured_seconds == pytest.approx(0.0126)
+
+
+def test_the_profile_prices_offloading_across_each_repeated_block_type(
+    disk: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``profile_model`` times offloading across the blocks of every type that repeats, and
+    each of its options that use the tier carries the excess; a type of one block keeps its
+    one-block timing."""
+    calls: list[tuple[list[str], str]] = []
+
+    def across(
+        model: nn.Module, paths: list[str], step: Any, device: Any, tier: str, pairs: int
+    ) -> float:
+        calls.append((list(paths), tier))
+        return 1.0  # a second a block: far above any one-block timing
+
+    monkeypatch.setattr(planner, "_offload_across", across)
+    profiled = profile_model(_build(), X, _loss, tiers=["recompute", "disk"], repeats=1, points=2)
+    types = dict.fromkeys(profiled.types)
+    assert len(types) == 2  # the first block's input needs no gradient: a type of its own
+    first, rest = types
+    assert calls == [([f"blocks.{i}" for i in range(1, 6)], "disk")]
+
+    # The repeated type: everything offloaded costs what the chain measured, and every option
+    # that sends bytes to disk pays for them (a region's input: a third of what the block
+    # saves); the rest, and the type of one block, keep their one-block timings (milliseconds).
+    def seconds(o: Option) -> float:
+        assert o.measured_seconds is not None
+        return o.measured_seconds
+
+    everything = next(o for o in profiled.options[rest] if o.name == "offload-disk")
+    assert seconds(everything) == pytest.approx(1.0)
+    assert all(seconds(o) > 0.2 for o in profiled.options[rest] if o.offloads)
+    assert all(seconds(o) < 0.1 for o in profiled.options[rest] if not o.offloads)
+    assert all(seconds(o) < 0.1 for o in profiled.options[first])

@@ -29,6 +29,20 @@ backward, the tier reads a few storages ahead (``Store.prefetch``), which belong
 before: an offloading option's backward peak counts its own largest ones that many times over
 (``ahead``). The plan never relies on the disk being fast to fit its budget; only its time
 does.
+
+NOTE [ Offload priced across the chain ]
+
+An option is timed on one copy of the block, but what offloading costs a block grows with how
+much the step offloads around it: on the medium GPT of ``remat bench`` (8 blocks, 2-core CPU),
+``offload-disk`` added 13.3 ms to a step on one block, and 14.9, 16.2 and 17.4 ms a block on 2,
+4 and 8 (the tier's writer threads and the page cache compete with the step's own compute).
+Priced by the one block, a plan of eight offloading blocks predicted 1.40x the plain step and
+measured 1.57-1.81x. So where a block type repeats, its ``offload-<tier>`` option is timed
+again on every block of the type at once, in whole steps against plain ones
+(:func:`_offload_across`), and what that costs a block above the one-block figure, per byte
+moved, is added to each option of the type that uses the tier, by the bytes it moves. Plans
+that offload fewer blocks are then priced high, by up to that excess: the prediction errs
+towards recompute, never towards a slower plan than it says.
 """
 
 from __future__ import annotations
@@ -36,7 +50,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,6 +89,7 @@ from .profile import (
     fresh_inputs,
     profile_block,
     selects_by_class,
+    synchronize,
 )
 from .solve import (
     CHAIN_MILP_SECONDS,
@@ -388,6 +405,77 @@ def _offloaded_bytes(profile: BlockProfile) -> int:
     return sum(op.bytes for op in profile.ops if op.saved and not op.view and op.bytes >= 1024)
 
 
+def _moved_bytes(o: Option, profile: BlockProfile, inputs: Any, tier: str) -> int:
+    """The bytes option ``o`` sends to ``tier`` in one block's forward (a segment's: its
+    input's)."""
+    if o.kind == "graph":
+        return sum(op.bytes for op in profile.ops if o.decisions.get(op.key) == tier)
+    if o.tier != tier:
+        return 0
+    return _offloaded_bytes(profile) if o.kind == "plain" else _input_bytes(inputs)
+
+
+def _price_across(
+    options: list[Option], per_block: float, profile: BlockProfile, inputs: Any, tier: str
+) -> None:
+    """Add to each of ``options`` (those that use ``tier``) what offloading costs a block
+    beyond its one-block timing, by the bytes it moves: ``per_block`` is the extra seconds a
+    block's ``offload-<tier>`` took with every block of its type offloading (see [ Offload
+    priced across the chain ])."""
+    everything = next(
+        (o for o in options if o.kind == "plain" and o.tier == tier and o.span == 1), None
+    )
+    if everything is None or everything.measured_seconds is None:
+        return
+    moved = _moved_bytes(everything, profile, inputs, tier)
+    excess = per_block - everything.measured_seconds
+    if moved <= 0 or excess <= 0:
+        return
+    for o in options:
+        if o.measured_seconds is not None:
+            o.measured_seconds += excess * _moved_bytes(o, profile, inputs, tier) / moved
+
+
+def _offload_across(
+    model: nn.Module,
+    paths: list[str],
+    step: Callable[..., None],
+    device: torch.device,
+    tier: str,
+    pairs: int,
+) -> float:
+    """Median extra seconds a block takes in a whole step with every block of ``paths`` under
+    ``remat.offload(tier)`` (its ``offload-<tier>`` option), against plain steps, in ``pairs``
+    pairs that alternate which runs first (see [ Offload priced across the chain ])."""
+    blocks = [model.get_submodule(p) for p in paths]
+
+    def once(offloaded: bool) -> float:
+        if offloaded:
+            for block, path in zip(blocks, paths, strict=True):
+                apply_option(block, path, "plain", {}, tier)
+        try:
+            synchronize(device)
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            return time.perf_counter() - start
+        finally:
+            if offloaded:
+                for block in blocks:
+                    undo_option(block)
+
+    once(True)
+    once(False)
+    diffs = []
+    for r in range(pairs):
+        if r % 2:
+            a, b = once(True), once(False)
+        else:
+            b, a = once(False), once(True)
+        diffs.append(a - b)
+    return max(statistics.median(diffs), 0.0) / len(blocks)
+
+
 def _tier_stats(tier: str) -> tuple[int, float, int, float]:
     """(bytes written, write wall seconds, bytes read, read wall seconds) of the disk tier the
     name stands for now; zeros for a tier that does not count them."""
@@ -500,10 +588,12 @@ def _options(
     tiers: Sequence[str] = ("recompute",),
     bandwidths: dict[str, float] | None = None,
     linked: bool = False,
+    across: Callable[[str], float] | None = None,
 ) -> tuple[list[Option], float]:
     """The options of one block type, each measured on a copy of ``block``; the solve time.
     With an offload tier, the bandwidths it reached while the block computed go into
-    ``bandwidths``."""
+    ``bandwidths``; ``across(tier)``, where given, is what offloading everything costs a block
+    with every block of its type offloading (see [ Offload priced across the chain ])."""
     recompute = "recompute" in tiers
     plain = copy.deepcopy(block)
     solve_seconds = 0.0
@@ -535,6 +625,10 @@ def _options(
         segments = _segments(
             block, inputs, device, longest, repeats, forward, record, per_byte, linked
         )
+    if across is not None:
+        for tier in _offload_tiers(tiers):
+            priced = [o for o in (*options, *segments) if tier in _uses(o)]
+            _price_across(priced, across(tier), profile, inputs, tier)
     _bound(options + segments, block, inputs, profile, device)
     return undominated(options) + segments, solve_seconds
 
@@ -834,6 +928,12 @@ def profile_model(
             profile = profile_block(
                 block, found.inputs[path], t, device, repeats=max(repeats // 2, 1)
             )
+            of_type = [p for p, u in zip(paths, found.types, strict=True) if u == t]
+            across = (
+                functools.partial(_offload_across, model, of_type, step, device, pairs=repeats)
+                if len(of_type) > 1 and repeats > 0
+                else None
+            )
             options[t], seconds = _options(
                 block,
                 found.inputs[path],
@@ -845,6 +945,7 @@ def profile_model(
                 chosen_tiers,
                 bandwidths,
                 linked[t],
+                across,
             )
             solve_seconds += seconds
     return Profiled(
