@@ -116,7 +116,7 @@ def enable(
     """
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.hf.enable: expected an nn.Module, got {type(model).__name__}.")
-    compiled, model = model, unwrapped(model)  # a torch.compile'd model: the module it wraps
+    compiled, model = model, unwrapped(model)  # compiled, DDP: the module inside
     if budget is not None and policy is not None:
         raise RematError(
             "remat.hf.enable: got both policy= and budget=; a budget lets the planner choose "
