@@ -906,6 +906,29 @@ def test_a_planned_model_saved_whole_between_steps_resumes_exactly(tmp_path: Any
     assert policies and all(p.followed > 0 and p.unfollowed == 0 for p in policies)
 
 
+def test_the_plain_step_is_timed_at_both_ends_of_the_profile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every predicted ratio divides by the plain step's time: it is the median of the steps
+    timed before the options and of as many timed after them."""
+    from remat.planning import planner
+    from remat.planning.planner import profile_model
+
+    later: list[int] = []
+
+    def slow(model: nn.Module, step: Any, device: Any, repeats: int) -> list[float]:
+        later.append(repeats)
+        return [10.0] * repeats
+
+    monkeypatch.setattr(planner, "time_plain_steps", slow)
+    model, x, y = _gpt()
+    profiled = profile_model(model, x, lambda o: _lm_loss(o, y), repeats=3, points=2)
+    assert later == [3]
+    samples = profiled.plain.samples
+    assert len(samples) == 6 and samples[3:] == [10.0] * 3 and max(samples[:3]) < 1.0
+    assert profiled.plain.seconds == pytest.approx((max(samples[:3]) + 10.0) / 2)
+
+
 def test_the_measured_check_leaves_the_report_to_the_users_apply() -> None:
     """remat.plan runs one step of the applied plan to check it, then undoes it: the model runs
     plainly again, and report() counts only what runs after the user's own apply."""

@@ -378,7 +378,25 @@ class PlainStep:
     # cache still holds the cast weights); at most ``head``.
     forward_head: int
     tail: int  # the peak after the first block's backward
-    seconds: float
+    seconds: float  # the median of ``samples``
+    samples: list[float] = field(default_factory=list)  # seconds of each timed plain step
+
+
+def time_plain_steps(
+    model: nn.Module, step: Callable[..., Any], device: torch.device, repeats: int
+) -> list[float]:
+    """Seconds of ``repeats`` plain steps, each from zeroed gradients, to the end of its work
+    on ``device``."""
+    seconds = []
+    for _ in range(repeats):
+        zero_grads(model)
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    zero_grads(model)
+    return seconds
 
 
 def measure_plain_step(
@@ -454,15 +472,7 @@ def measure_plain_step(
     )
     tail_marks = order[order.index(f"bs{0}") + 1 :]
     tail = max((line.peaks[name] for name in tail_marks), default=0)
-    seconds = []
-    for _ in range(repeats):
-        zero_grads(model)
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    zero_grads(model)
+    seconds = time_plain_steps(model, step, device, repeats)
     return PlainStep(
         peak=line.peak,
         kept=kept,
@@ -473,6 +483,7 @@ def measure_plain_step(
         forward_head=min(forward_head, head),
         tail=tail,
         seconds=statistics.median(seconds),
+        samples=seconds,
     )
 
 
