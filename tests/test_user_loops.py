@@ -390,6 +390,17 @@ def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             except remat.RematError as e:
                 refused = "segments=False" in str(e) and "fully_shard" in str(e)
                 results[f"refused_{'linked' if linked else 'graph'}"] = refused
+        # Plans that differ from rank to rank (without segments) train as exactly: each rank's
+        # recompute gathers what its own blocks need. Rank 0 recomputes blocks 0 and 2, rank 1
+        # blocks 1 and 3, one of them on the graph engine.
+        model = ddp_model()
+        for i in (0, 2) if rank == 0 else (1, 3):
+            policy = remat.policies.recompute_everything if i == 3 else None
+            remat.checkpoint_wrapper(model[i], policy=policy)
+        got = loop(model)
+        results["plans_differ_by_rank"] = len(got) == len(expected) and all(
+            torch.equal(a, b) for a, b in zip(expected, got, strict=True)
+        )
         results["modes_left"] = len(_get_current_dispatch_mode_stack())
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
@@ -401,13 +412,15 @@ def test_user_loop_under_fsdp2_equals_plain(tmp_path: Path) -> None:
     gradients and the parameters equal the plain sharded model's, bit for bit, with no warning.
     A segment, as a plan with segments applies it, is refused at the first forward once its
     blocks are sharded: FSDP2 gathers a block's parameters for that block alone, and a
-    segment's recompute runs the blocks before it."""
+    segment's recompute runs the blocks before it. Ranks whose blocks are set up differently
+    train exactly too."""
     for results in ranks_results(_fsdp2_worker, tmp_path):
         assert results.pop("planned_blocks") > 0
         assert results == {
             **dict.fromkeys(DDP_KINDS, True),
             **{f"{kind}_warnings": [] for kind in DDP_KINDS},
             "segments": 0,
+            "plans_differ_by_rank": True,
             "refused_linked": True,
             "refused_graph": True,
             "modes_left": 0,
