@@ -59,17 +59,18 @@ def train(
 def assert_save_and_resume_exact(
     model: nn.Module,
     plain: nn.Module,
-    resume: Callable[[], nn.Module],
+    resume: Callable[[], nn.Module] | None,
     loss_of: Callable[[nn.Module], torch.Tensor],
     directory: Any,
     after_backward: Callable[[], None] | None = None,
-) -> None:
+) -> nn.Module:
     """The loop users write, on ``model`` (set up by a plan): their own AdamW,
     ``clip_grad_norm_``, ``zero_grad(set_to_none=True)``; after two steps a save of the model
     and the optimizer in ``directory``, ``resume()`` (a fresh model with the plan loaded and
     applied) loading them, and a third step: losses, gradient norms, parameters and buffers
     bit-equal to three steps of ``plain``. ``loss_of(m)`` runs one forward; ``after_backward``
-    runs after each backward."""
+    runs after each backward. Without ``resume``, the model itself is saved whole
+    (``torch.save({"model": model, ...})``) and loaded back. Returns the resumed model."""
 
     def steps(m: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> list[Any]:
         out: list[Any] = []
@@ -92,18 +93,23 @@ def assert_save_and_resume_exact(
     expected = steps(plain, adamw(plain), 0, 3)
     opt = adamw(model)
     got = steps(model, opt, 0, 2)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, directory / "ckpt.pt")
     assert list(model.state_dict()) == list(plain.state_dict())  # a plan renames nothing
-
-    resumed = resume()
-    saved = torch.load(directory / "ckpt.pt")
-    resumed.load_state_dict(saved["model"])
+    if resume is None:
+        torch.save({"model": model, "opt": opt.state_dict()}, directory / "ckpt.pt")
+        saved = torch.load(directory / "ckpt.pt", weights_only=False)
+        resumed = saved["model"]
+    else:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, directory / "ckpt.pt")
+        resumed = resume()
+        saved = torch.load(directory / "ckpt.pt")
+        resumed.load_state_dict(saved["model"])
     resumed_opt = adamw(resumed)
     resumed_opt.load_state_dict(saved["opt"])
     got += steps(resumed, resumed_opt, 2, 3)
     assert len(got) == len(expected)
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
+    return resumed
 
 
 def assert_records_equal(plain: StepRecord, other: StepRecord) -> None:

@@ -870,33 +870,9 @@ def test_a_planned_model_saved_whole_between_steps_resumes_exactly(tmp_path: Any
     plan = remat.fit(model, x, budget="70%", repeats=0, points=4)
     assert any(b["option"].startswith("graph") for b in plan.blocks), plan.summary()
 
-    def steps(m: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> list[Any]:
-        out: list[Any] = []
-        for step in range(first, last):
-            opt.zero_grad(set_to_none=True)
-            torch.manual_seed(step)
-            loss = m(x).square().mean()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.5)
-            out += [loss.detach(), *[p.grad.clone() for p in m.parameters()]]  # type: ignore[union-attr]
-            opt.step()
-        return out
-
-    def adamw(m: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-
-    expected = steps(plain, adamw(plain), 0, 3)
-    opt = adamw(model)
-    got = steps(model, opt, 0, 2)
-    torch.save({"model": model, "opt": opt.state_dict()}, tmp_path / "whole.pt")
-    saved = torch.load(tmp_path / "whole.pt", weights_only=False)
-    resumed = saved["model"]
-    resumed_opt = adamw(resumed)
-    resumed_opt.load_state_dict(saved["opt"])
-    got += steps(resumed, resumed_opt, 2, 3)
-    assert len(got) == len(expected)
-    for a, b in zip(expected, got, strict=True):
-        assert torch.equal(a, b)
+    resumed = assert_save_and_resume_exact(
+        model, plain, None, lambda m: m(x).square().mean(), tmp_path
+    )
     policies = [
         m.forward.options.policy
         for m in resumed.modules()

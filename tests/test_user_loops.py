@@ -186,8 +186,13 @@ def remat_model(
     model = ddp_model()
     if apply_kind(model, kind):
         return model, None
+    return model, fit_on_rank(model, rank, segments)
+
+
+def fit_on_rank(model: nn.Module, rank: int, segments: bool = True) -> remat.Plan:
+    """``remat.fit`` of ``model`` at 70% on this rank's first batch."""
     x, labels = ddp_batch(10 * rank)
-    plan = remat.fit(
+    return remat.fit(
         model,
         x,
         budget="70%",
@@ -195,7 +200,6 @@ def remat_model(
         repeats=0,
         segments=segments,
     )
-    return model, plan
 
 
 def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -251,14 +255,7 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
         DistributedDataParallel.forward = counted  # type: ignore[method-assign]
         try:
-            x, labels = ddp_batch(10 * rank)
-            plan = remat.fit(
-                wrapped,
-                x,
-                budget="70%",
-                loss_fn=lambda out: F.cross_entropy(out, labels),
-                repeats=0,
-            )
+            plan = fit_on_rank(wrapped, rank)
         finally:
             DistributedDataParallel.forward = forward  # type: ignore[method-assign]
         results["wrapper_calls_while_planning"] = len(calls)
