@@ -882,6 +882,25 @@ def test_a_planned_model_saved_whole_between_steps_resumes_exactly(tmp_path: Any
     assert policies and all(p.followed > 0 and p.unfollowed == 0 for p in policies)
 
 
+def test_a_plans_op_counter_copies_and_pickles_without_its_counts() -> None:
+    """The per-call occurrence counts are keyed by ATen ops, which do not pickle: a copy or an
+    unpickled counter starts from none, and counts again from the first occurrence."""
+    import pickle
+
+    from remat.planning.profile import KeyCounter
+
+    counter = KeyCounter()
+    mm = torch.ops.aten.mm.default
+    assert [counter.key("fc", mm) for _ in range(2)] == [
+        "fc|aten.mm.default|0",
+        "fc|aten.mm.default|1",
+    ]
+    for again in (copy.deepcopy(counter), pickle.loads(pickle.dumps(counter))):
+        assert again.counts == {}
+        assert again.key("fc", mm) == "fc|aten.mm.default|0"
+    assert counter.key("fc", mm) == "fc|aten.mm.default|2"  # the original counts on
+
+
 def test_the_plain_step_is_timed_at_both_ends_of_the_profile(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

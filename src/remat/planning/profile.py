@@ -106,14 +106,11 @@ class KeyCounter:
         self.counts[(module, op)] = n + 1
         return op_key(module, op, n)
 
-    # The counts are scratch for the call under way, keyed by ATen op objects, which do not
-    # pickle: a copy or a pickle of a planned model (``torch.save(model)`` between steps)
-    # starts from none, as each call of the block does.
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.counts = {}
+    def __reduce__(self) -> tuple[type[KeyCounter], tuple[()]]:
+        # The counts are scratch for the call under way, keyed by ATen op objects, which do
+        # not pickle: a copy or a pickle of a planned model (``torch.save(model)`` between
+        # steps) starts from none, as each call of the block does.
+        return (KeyCounter, ())
 
 
 # -- finding the blocks ------------------------------------------------------------------------
