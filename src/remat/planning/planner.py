@@ -408,8 +408,10 @@ def _measure(
 
 
 def _offloaded_bytes(profile: BlockProfile) -> int:
-    """What ``remat.offload`` moves of one block: its saved results of 1 KiB or more."""
-    return sum(op.bytes for op in profile.ops if op.saved and not op.view and op.bytes >= 1024)
+    """What ``remat.offload`` moves of one block: its saved results and inputs of 1 KiB or
+    more."""
+    results = sum(op.bytes for op in profile.ops if op.saved and not op.view and op.bytes >= 1024)
+    return results + sum(n for n in profile.saved_inputs if n >= 1024)
 
 
 def _moved_bytes(o: Option, profile: BlockProfile, inputs: Any, tier: str) -> int:

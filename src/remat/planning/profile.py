@@ -34,9 +34,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import _state
-from .._aten import op_info
+from .._aten import op_info, storage_key
 from .._dispatch import EagerMode
-from .._nodes import _BLANK
+from .._nodes import _BLANK, _Input
 from ..checkpoint import links
 from ..errors import RematError
 from ..hf import cache_arguments
@@ -67,6 +67,9 @@ class BlockProfile:
     name: str  # the block type: its class name and a signature number
     ops: list[OpRecord]
     forward_seconds: float = 0.0
+    # Each of the block's tensor inputs that autograd saves in its forward (a first
+    # LayerNorm's input), by bytes: what ``remat.offload`` moves besides the ops' results.
+    saved_inputs: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -469,12 +472,17 @@ def profile_block(
     with loop_forward():
         out = first_tensor(observed(*args, **kwargs))
     graph = observer.graph
+    saved_inputs: dict[int | None, int] = {}  # by storage
     if graph is not None:
+        tensors = graph.saved_inputs.tensors if graph.saved_inputs is not None else ()
         for packed in graph.packed:
-            p = packed()
-            node = getattr(getattr(p, "ref", None), "node", None)
+            ref = getattr(packed(), "ref", None)
+            node = getattr(ref, "node", None)
             if isinstance(node, int) and node < len(observer.ops):
                 observer.ops[node].saved = True
+            elif isinstance(ref, _Input) and ref.index < len(tensors):
+                t = tensors[ref.index]
+                saved_inputs[storage_key(t)] = t.untyped_storage().nbytes()
     del out
     ops = observer.ops
     plain = copy.deepcopy(block)
@@ -502,4 +510,9 @@ def profile_block(
         share = statistics.median(totals) / max(len(ops), 1)
         for op in ops:
             op.seconds = share
-    return BlockProfile(name=name, ops=ops, forward_seconds=statistics.median(totals))
+    return BlockProfile(
+        name=name,
+        ops=ops,
+        forward_seconds=statistics.median(totals),
+        saved_inputs=list(saved_inputs.values()),
+    )
