@@ -41,7 +41,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autocast import loop_forward
-from .profile import first_tensor, fresh_inputs, synchronize
+from .profile import first_tensor, fresh_inputs, synchronize, timed
 
 __all__: list[str] = []
 
@@ -342,24 +341,30 @@ def measure_seconds(
     def once(m: nn.Module) -> float:
         args, kwargs = fresh_inputs(inputs)
         torch.manual_seed(0)
-        synchronize(device)
-        start = time.perf_counter()
-        with loop_forward():
-            out = first_tensor(m(*args, **kwargs))
-        out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
-        synchronize(device)
-        return time.perf_counter() - start
 
-    once(block)
-    once(plain)
+        def run() -> None:
+            with loop_forward():
+                out = first_tensor(m(*args, **kwargs))
+            out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
+
+        return timed(run, device)
+
+    return paired_extra(lambda: once(block), lambda: once(plain), repeats)
+
+
+def paired_extra(first: Callable[[], float], second: Callable[[], float], pairs: int) -> float:
+    """The median of ``first() - second()`` (each returns the seconds it took) over ``pairs``
+    pairs that alternate which runs first, after a warm-up run of each; at least zero."""
+    first()
+    second()
     diffs = []
-    for r in range(repeats):
+    for r in range(pairs):
         if r % 2:
-            a = once(block)
-            b = once(plain)
+            a = first()
+            b = second()
         else:
-            b = once(plain)
-            a = once(block)
+            b = second()
+            a = first()
         diffs.append(a - b)
     return max(statistics.median(diffs), 0.0)
 
@@ -390,11 +395,7 @@ def time_plain_steps(
     seconds = []
     for _ in range(repeats):
         zero_grads(model)
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
+        seconds.append(timed(step, device))
     zero_grads(model)
     return seconds
 

@@ -84,6 +84,7 @@ from .cost import (
     measure_memory,
     measure_plain_step,
     measure_seconds,
+    paired_extra,
     peak_bytes,
     time_plain_steps,
 )
@@ -96,7 +97,7 @@ from .profile import (
     fresh_inputs,
     profile_block,
     selects_by_class,
-    synchronize,
+    timed,
 )
 from .solve import (
     CHAIN_MILP_SECONDS,
@@ -463,26 +464,13 @@ def _offload_across(
             for block, path in zip(blocks, paths, strict=True):
                 apply_option(block, path, "plain", {}, tier)
         try:
-            synchronize(device)
-            start = time.perf_counter()
-            step()
-            synchronize(device)
-            return time.perf_counter() - start
+            return timed(step, device)
         finally:
             if offloaded:
                 for block in blocks:
                     undo_option(block)
 
-    once(True)
-    once(False)
-    diffs = []
-    for r in range(pairs):
-        if r % 2:
-            a, b = once(True), once(False)
-        else:
-            b, a = once(False), once(True)
-        diffs.append(a - b)
-    return max(statistics.median(diffs), 0.0) / len(blocks)
+    return paired_extra(lambda: once(True), lambda: once(False), pairs) / len(blocks)
 
 
 def _tier_stats(tier: str) -> tuple[int, float, int, float]:
@@ -1078,15 +1066,16 @@ def solve(
 
 def _chain_solver(chain: list[list[ChainOption]], optimal: bool) -> str:
     """How the chain was solved, for the plan (see [ Casts cached to the forward's end ])."""
+    proof = f"not proven optimal within {CHAIN_MILP_SECONDS:g} s"
     if not any(o.cached for opts in chain for o in opts):
         if optimal:
             return "exact DP over the chain of blocks"
-        return (
-            "DP over the chain of blocks, on a budget lowered past its grid's rounding "
-            "(not proven optimal)"
-        )
-    proof = "optimal" if optimal else f"not proven optimal within {CHAIN_MILP_SECONDS:g} s"
-    return f"DP, then HiGHS MILP over the chain of blocks (casts cached under autocast; {proof})"
+        # The DP's answer went to the MILP, which stopped at its time limit ([ The chain DP ]).
+        return f"DP, then HiGHS MILP over the chain of blocks (past the DP's grid; {proof})"
+    return (
+        "DP, then HiGHS MILP over the chain of blocks (casts cached under autocast; "
+        f"{'optimal' if optimal else proof})"
+    )
 
 
 def _blocks(profiled: Profiled, picks: list[int]) -> list[dict[str, str]]:

@@ -23,6 +23,7 @@ the profiled one, and the ops it does not share are simply kept.
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -435,6 +436,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(run: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of ``run()``, to the end of its work on ``device``."""
+    synchronize(device)
+    start = time.perf_counter()
+    run()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
 def fresh_inputs(
     inputs: tuple[tuple[Any, ...], dict[str, Any]],
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -488,6 +498,11 @@ def profile_block(
     plain = copy.deepcopy(block)
     runs: list[list[float]] = []
     totals: list[float] = []
+
+    def forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        with loop_forward():
+            plain(*args, **kwargs)
+
     for _ in range(repeats):
         args, kwargs = fresh_inputs(inputs)
         torch.manual_seed(0)
@@ -496,13 +511,7 @@ def profile_block(
             plain(*args, **kwargs)
         runs.append(timer.seconds())
         # What the region engine's recompute costs: the forward with autograd recording.
-        args, kwargs = fresh_inputs(inputs)
-        synchronize(device)
-        start = time.perf_counter()
-        with loop_forward():
-            plain(*args, **kwargs)
-        synchronize(device)
-        totals.append(time.perf_counter() - start)
+        totals.append(timed(functools.partial(forward, *fresh_inputs(inputs)), device))
     if all(len(r) == len(ops) for r in runs):
         for i, op in enumerate(ops):
             op.seconds = statistics.median(r[i] for r in runs)
