@@ -1017,18 +1017,27 @@ def _tracked_timeline(step: Callable[[Any], Any], device: torch.device) -> Any:
         return counter_timeline(step, Counters())
 
 
-@pytest.mark.parametrize(("name", "budget"), [("gpt", "50%"), ("convnet", "60%")])
+@pytest.mark.parametrize(
+    ("name", "budget", "slack"), [("gpt", "50%", 0), ("convnet", "60%", 16 * 1024)]
+)
 def test_the_planner_on_allocator_counters_predicts_what_they_measure(
-    name: str, budget: str, monkeypatch: pytest.MonkeyPatch
+    name: str, budget: str, slack: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On CUDA the planner measures memory by the allocator's counters (``_CudaCounters``),
     marking a step's points by reading them (``counter_timeline``). The same path runs here on
     counters kept by ``remat.MemoryTracker``: every measurement of the profile and the plan's
-    check come from them, and the plan's predicted peak is what they measure, at the first
-    solve; the plan is exact (the ConvNet has BatchNorm). To the byte in most runs; the
-    tracker's books miss storages made outside an operator and frees of storages they never
-    saw, and in one full-suite run the ConvNet's plan measured 128 bytes above its prediction,
-    so a kilobyte is allowed (a broken counter path misses by far more)."""
+    check come from them, the plan's predicted peak is what they measure, and the plan is
+    exact (the ConvNet has BatchNorm).
+
+    Which plan is made depends on measured times. On the GPT every plan is predicted to the
+    byte at the first solve: 32 plans made with random option times (regions, segments, the
+    graph engine at five caps) all were. On the ConvNet, 20 such plans missed by up to 9,088
+    bytes either way on these counters (those above the budget were solved again, as
+    ``solve_measured`` does), while six at 70% missed by none on the CPU allocator's events:
+    the difference lies in the tracker's books (which leave out kernels' scratch memory, see
+    NOTE [ Counting storages ] in ``track.py``), not in the counter path. So the ConvNet's
+    plan may miss by 16 KiB and take more than one solve; a broken counter path misses by
+    the tensors of whole blocks."""
     from remat.planning import cost
     from remat.workloads import get_workload
 
@@ -1042,9 +1051,9 @@ def test_the_planner_on_allocator_counters_predicts_what_they_measure(
 
     blocks = [path for path, _ in workload.blocks(model)]
     plan = remat.plan(model, x, budget, loss_fn, blocks=blocks, repeats=1)
-    assert plan.measured["solves"] == 1
+    assert plan.measured["solves"] == 1 or slack
     verified = plan.measured["verified_peak"]
-    assert abs(plan.predicted_peak - verified) <= 1024, (plan.predicted_peak, verified)
+    assert abs(plan.predicted_peak - verified) <= slack, (plan.predicted_peak, verified)
     assert verified <= plan.budget < plan.plain_peak
     assert any(b["option"] != "plain" for b in plan.blocks)
     batches = [(x, target)] * 2

@@ -201,6 +201,32 @@ def test_gpt_saved_bytes_by_module_and_op_add_up() -> None:
 # -- live bytes ------------------------------------------------------------------------------
 
 
+def test_state_a_recompute_writes_and_puts_back_is_counted_both_ways() -> None:
+    """A region with BatchNorm recomputes unguarded and puts back the running statistics it
+    wrote (NOTE [ Writes undone ] in ``_guard.py``): the copies it keeps meanwhile are counted
+    when made and when freed, so the step ends at the level it started from and its peak is
+    the profiler's. (Copies made outside any operator showed only as frees: the step ended
+    520 bytes below its start.)"""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU())
+    block = remat.checkpoint_wrapper(inner, preserve_rng_state=False)
+    model = nn.Sequential(block, nn.Linear(64, 8))
+    x, y = torch.randn(16, 32), torch.randn(16, 8)
+
+    def step() -> None:
+        F.mse_loss(model(x), y).backward()
+
+    step()  # warm-up: gradients exist, and the first recompute ran under the guard
+    expected = peak_step_bytes(step, CPU)
+    with MemoryTracker(model) as tracker:
+        step()
+    report = tracker.report()
+    copies = [s.delta_bytes for s in report.timeline if s.op == "clone"]
+    assert sorted(copies) == [-256, -256, -8, 8, 256, 256]  # running mean, var and count
+    assert report.end_bytes == {"cpu": 0}
+    assert report.peak_bytes == {"cpu": expected}
+
+
 def test_live_bytes_return_to_entry_level_after_del() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))

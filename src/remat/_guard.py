@@ -444,13 +444,19 @@ class Undo:
         for t in tensors:
             storage = t.untyped_storage()
             storages.setdefault(int(storage._cdata), storage)
-        self.copies = [(s, s.clone()) for s in storages.values()]  # type: ignore[no-untyped-call]
+        # Each storage as a byte tensor, copied by an operator: a storage's own ``clone``
+        # allocates outside any operator, where ``remat.MemoryTracker`` cannot see it, while
+        # it does see the copy's free (the copy is an argument of ``copy_`` in ``load``).
+        self.copies = []
+        for storage in storages.values():
+            whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            self.copies.append((whole, whole.clone()))
 
     def load(self) -> None:
         """Put the copied values back in the storages, leaving the versions as they are."""
         with torch.no_grad():
-            for storage, copy in self.copies:
-                storage.copy_(copy)
+            for whole, copy in self.copies:
+                whole.copy_(copy)
 
     def close(self) -> None:
         """Put the copied values and versions back."""
