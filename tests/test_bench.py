@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -463,3 +464,64 @@ def test_solve_time_under_autocast_plans_the_mixed_precision_loop() -> None:
     assert "HiGHS MILP" in result["chain_solver"]
     text = solve_time.report(result)
     assert "at 60%, under torch.autocast (bfloat16):" in text
+
+
+_SERVED = """
+import os
+
+handled = []
+
+
+def handle(request):
+    if "fail" in request:
+        print("measuring", request["fail"])
+        raise ValueError("no strategy named " + request["fail"])
+    if "exit" in request:
+        os._exit(request["exit"])
+    handled.append(request["n"])
+    return {
+        "pid": os.getpid(),
+        "parent": os.getppid(),
+        "handled": handled,
+        "setting": os.environ.get("REMAT_TEST_SETTING"),
+    }
+"""
+
+
+def test_a_fork_server_runs_each_request_in_a_fresh_child_of_one_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each request runs in its own child, forked from the one server: what a request leaves
+    in the module's globals is gone for the next. The server's environment reaches them. A
+    request that raises, or a child that dies, is a ``RematError`` with the child's output,
+    and the server goes on serving."""
+    from remat.bench._child import ForkServer
+
+    (tmp_path / "served.py").write_text(_SERVED)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with ForkServer("served", {"REMAT_TEST_SETTING": "on"}) as forks:
+        first = forks.run({"n": 1}, "the first")
+        with pytest.raises(remat.RematError) as failed:
+            forks.run({"fail": "sideways"}, "the memory of sideways")
+        with pytest.raises(remat.RematError, match=r"the memory of x failed \(exit 3\)"):
+            forks.run({"exit": 3}, "the memory of x")
+        second = forks.run({"n": 2}, "the second")
+    assert first["handled"] == [1] and second["handled"] == [2]
+    assert first["pid"] != second["pid"] and first["parent"] == second["parent"] != os.getpid()
+    assert first["setting"] == second["setting"] == "on"
+    message = str(failed.value)
+    assert message.startswith("remat bench: the memory of sideways failed (exit 1):")
+    assert "measuring sideways" in message
+    assert "ValueError: no strategy named sideways" in message
+    with pytest.raises(remat.RematError, match="inside its with block"):
+        forks.run({"n": 3}, "a late one")
+
+
+def test_a_fork_server_that_cannot_start_says_why() -> None:
+    from remat.bench._child import ForkServer
+
+    with ForkServer("remat.no_such_module") as forks, pytest.raises(remat.RematError) as failed:
+        forks.run({}, "the memory of none")
+    message = str(failed.value)
+    assert message.startswith("remat bench: the memory of none failed: its server process exited")
+    assert "No module named 'remat.no_such_module'" in message

@@ -25,7 +25,19 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from remat.bench import _child
+
+    servers: list[tuple[str, dict[str, str]]] = []
+    start = _child.ForkServer.__init__
+
+    def recorded(self: _child.ForkServer, module: str, env: dict[str, str] | None = None) -> None:
+        start(self, module, env)
+        servers.append((module, dict(env or {})))
+
+    monkeypatch.setattr(_child.ForkServer, "__init__", recorded)
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     code, out, err = _run(
         capsys,
@@ -56,6 +68,9 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert data["rows"][2]["counterpart"] == "torch-block"
     assert data["rows"][1]["peak_bytes"] < data["rows"][0]["peak_bytes"]
     assert out_png.read_bytes()[:4] == b"\x89PNG"
+    # Every memory was measured in a process forked from one server, whose frees of large
+    # tensors go back to the system.
+    assert servers == [("remat.bench.measure", {"MALLOC_MMAP_THRESHOLD_": "65536"})]
     assert "remat-block" in out and "time vs torch" in out
     assert data["allocator"] == "cached" and "minor page faults per step (cached allocator)" in out
     assert all(r["faults_per_step"] >= 0 for r in data["rows"])
@@ -84,15 +99,12 @@ def test_step_times_run_with_glibc_thresholds_fixed_unless_asked_for_the_system_
     base = {"workload": "mlp", "size": "small", "device": "cpu"}
     for allocator in ("cached", "system"):
         cli._subprocess({**base, "kind": "time", "allocator": allocator})
-    cli._subprocess({**base, "kind": "memory", "allocator": "cached"})
     cached = envs[("time", "cached")]
     assert cached["MALLOC_MMAP_THRESHOLD_"] == str(2**30)
     assert cached["MALLOC_TRIM_THRESHOLD_"] == str(2**34)
     assert envs[("time", "system")].get("MALLOC_TRIM_THRESHOLD_") == os.environ.get(
         "MALLOC_TRIM_THRESHOLD_"
     )
-    # Memory is measured with frees going back to the system, whatever the timing allocator.
-    assert envs[("memory", "cached")]["MALLOC_MMAP_THRESHOLD_"] == "65536"
 
 
 def _small_bench(

@@ -14,6 +14,8 @@ from .errors import RematError, did_you_mean
 if TYPE_CHECKING:
     import torch
 
+    from .bench._child import ForkServer
+
 __all__: list[str] = []
 
 
@@ -327,6 +329,7 @@ def _run(
 
     from rich.progress import Progress
 
+    from .bench._child import ForkServer
     from .bench.strategies import is_auto
 
     names = ["none", *[s for s in strategies if s != "none"]]
@@ -349,11 +352,13 @@ def _run(
             if lines is not None:
                 lines.done(what)
 
-        memory = _memories(base, [s for s in names if s not in planned], step, done)
-        if planned:
-            plans = _plans(base, planned, memory, Path(directory), step, done)
-            base = {**base, "plans_file": plans}
-            memory.update(_memories(base, planned, step, done))
+        # Each strategy's memory in a process of its own, forked from one that imported torch.
+        with ForkServer("remat.bench.measure", _MEMORY_ALLOCATOR) as forks:
+            memory = _memories(base, [s for s in names if s not in planned], forks, step, done)
+            if planned:
+                plans = _plans(base, planned, memory, Path(directory), step, done)
+                base = {**base, "plans_file": plans}
+                memory.update(_memories(base, planned, forks, step, done))
         timing = _times(base, names, rounds, processes, step, done)
         if overhead:
             # On the small size of the workload: the engine's per-op cost, not kernel noise.
@@ -366,14 +371,15 @@ def _run(
 def _memories(
     base: dict[str, Any],
     names: list[str],
+    forks: ForkServer,
     step: Callable[[str], None],
     done: Callable[[str], None],
 ) -> dict[str, dict[str, Any]]:
-    """Each strategy's memory measurement, each in a fresh process."""
+    """Each strategy's memory measurement, each in a fresh process forked by ``forks``."""
     memory = {}
     for s in names:
         step(f"memory: {s}")
-        memory[s] = _subprocess({**base, "kind": "memory", "strategy": s})
+        memory[s] = forks.run({**base, "kind": "memory", "strategy": s}, f"the memory of {s}")
         done(f"memory of {s}: peak {memory[s]['peak_bytes'] / 2**20:,.1f} MiB")
     return memory
 
@@ -588,14 +594,16 @@ def _counterpart(name: str, names: list[str]) -> str | None:
 _CACHED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 
 
+# Memory is measured with frees of large tensors going back to the system: the resident set
+# follows live tensors.
+_MEMORY_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
 def _subprocess(request: dict[str, Any]) -> dict[str, Any]:
     from .bench._child import run_child
 
     env: dict[str, str] = {}
-    if request["kind"] == "memory":
-        # Frees of large tensors go back to the system: the resident set follows live tensors.
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    elif request["kind"] in ("time", "plan") and request.get("allocator") == "cached":
+    if request["kind"] in ("time", "plan") and request.get("allocator") == "cached":
         # The planner times its options in the conditions its plans are timed in.
         env.update(_CACHED_ALLOCATOR if request.get("device", "cpu") == "cpu" else {})
     return run_child("remat.bench.measure", request, f"the {request['kind']} measurement", env)
