@@ -367,3 +367,86 @@ def test_the_profile_prices_offloading_across_each_repeated_block_type(
     assert all(seconds(o) > 0.2 for o in profiled.options[rest] if o.offloads)
     assert all(seconds(o) < 0.1 for o in profiled.options[rest] if not o.offloads)
     assert all(seconds(o) < 0.1 for o in profiled.options[first])
+
+
+def _autograd_uses(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> list[torch.Tensor]:
+    """A step's loss and gradients three ways users take them: two backward passes over one
+    retained graph, ``torch.autograd.grad`` (which leaves ``.grad`` alone), and a gradient
+    penalty (double backward through ``create_graph=True``)."""
+    from remat.workloads import get_workload
+
+    loss_fn = get_workload("gpt", "small").loss_fn
+    params = list(model.parameters())
+    got: list[torch.Tensor] = []
+    torch.manual_seed(7)
+    loss = loss_fn(model(x), target)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    got += [loss.detach(), *(p.grad.clone() for p in params)]  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(8)
+    grads = torch.autograd.grad(loss_fn(model(x), target), params)
+    assert all(p.grad is None for p in params)
+    got += grads
+    torch.manual_seed(9)
+    loss = loss_fn(model(x), target)
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    total = loss + sum(g.square().sum() for g in grads)
+    total.backward()
+    got += [total.detach(), *(p.grad.clone() for p in params)]  # type: ignore[union-attr]
+    return got
+
+
+def test_every_option_a_plan_applies_is_exact_for_retained_graphs_grad_and_double_backward(
+    disk: DiskTier,
+) -> None:
+    """Each of the 14 options the planner measured for the GPT's blocks (plain, a region, the
+    graph engine at five caps, offloading to disk, segments of two to four blocks with their
+    input kept or on disk), applied to every block, gives the plain model's losses and
+    gradients bit for bit when the graph is retained and walked twice, when gradients come from
+    ``torch.autograd.grad``, and through a gradient penalty's double backward; the options
+    with the disk tier write to it and leave no file, and each graph-engine block follows its
+    plan in every op."""
+    from remat.planning.planner import profile_model, solve
+    from remat.workloads import get_workload
+
+    workload = get_workload("gpt", "small")
+    model = workload.model(seed=0)
+    x, target = workload.batch(seed=0)
+    profiled = profile_model(
+        model, x, lambda o: workload.loss_fn(o, target), tiers=["recompute", "disk"], repeats=0
+    )
+    (kind,) = set(profiled.types)
+    plan = solve(profiled, "100%")
+    names = [o.name for o in profiled.options[kind]]
+    kinds = {o.kind for o in profiled.options[kind]}
+    assert kinds == {"plain", "region", "graph", "segment"}, names
+    assert {o.tier for o in profiled.options[kind]} == {None, "disk"}, names
+    expected = _autograd_uses(workload.model(seed=0), x, target)
+    n = len(profiled.paths)
+    for option in profiled.options[kind]:
+        if option.span > 1:  # segments of ``span`` blocks, one after another
+            plan.blocks = [
+                {"path": p, "type": kind, "option": option.name}
+                | {"segment": profiled.paths[k - k % option.span]}
+                for k, p in enumerate(profiled.paths)
+                if n - (k - k % option.span) >= option.span
+            ]
+            plan.blocks += [
+                {"path": p, "type": kind, "option": "plain"}
+                for p in profiled.paths[len(plan.blocks) :]
+            ]
+        else:
+            plan.blocks = [{"path": p, "type": kind, "option": option.name} for p in profiled.paths]
+        planned = plan.apply(workload.model(seed=0))
+        written = disk.stats.bytes_written
+        got = _autograd_uses(planned, x, target)
+        assert len(got) == len(expected)
+        for k, (a, b) in enumerate(zip(expected, got, strict=True)):
+            assert torch.equal(a, b), (option.name, k)
+        assert (disk.stats.bytes_written > written) == (option.tier == "disk"), option.name
+        assert _files(disk) == []
+        assert bool(plan.policies) == (option.kind == "graph"), option.name
+        for policy in plan.policies:
+            assert policy.followed > 0 and policy.unfollowed == 0, (option.name, plan.report())
+    assert len(names) == 14, names
