@@ -468,6 +468,7 @@ def test_solve_time_under_autocast_plans_the_mixed_precision_loop() -> None:
 
 _SERVED = """
 import os
+import sys
 
 handled = []
 
@@ -484,6 +485,7 @@ def handle(request):
         "parent": os.getppid(),
         "handled": handled,
         "setting": os.environ.get("REMAT_TEST_SETTING"),
+        "preloaded": "colorsys" in sys.modules,
     }
 """
 
@@ -492,14 +494,14 @@ def test_a_fork_server_runs_each_request_in_a_fresh_child_of_one_server(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each request runs in its own child, forked from the one server: what a request leaves
-    in the module's globals is gone for the next. The server's environment reaches them. A
-    request that raises, or a child that dies, is a ``RematError`` with the child's output,
-    and the server goes on serving."""
+    in the module's globals is gone for the next. The server's environment and the modules it
+    preloads reach them. A request that raises, or a child that dies, is a ``RematError`` with
+    the child's output, and the server goes on serving."""
     from remat.bench._child import ForkServer
 
     (tmp_path / "served.py").write_text(_SERVED)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    with ForkServer("served", {"REMAT_TEST_SETTING": "on"}) as forks:
+    with ForkServer("served", {"REMAT_TEST_SETTING": "on"}, preload=["colorsys"]) as forks:
         first = forks.run({"n": 1}, "the first")
         with pytest.raises(remat.RematError) as failed:
             forks.run({"fail": "sideways"}, "the memory of sideways")
@@ -509,6 +511,7 @@ def test_a_fork_server_runs_each_request_in_a_fresh_child_of_one_server(
     assert first["handled"] == [1] and second["handled"] == [2]
     assert first["pid"] != second["pid"] and first["parent"] == second["parent"] != os.getpid()
     assert first["setting"] == second["setting"] == "on"
+    assert first["preloaded"] and second["preloaded"]
     message = str(failed.value)
     assert message.startswith("remat bench: the memory of sideways failed (exit 1):")
     assert "measuring sideways" in message

@@ -33,8 +33,10 @@ def test_bench_end_to_end(
     servers: list[tuple[str, dict[str, str]]] = []
     start = _child.ForkServer.__init__
 
-    def recorded(self: _child.ForkServer, module: str, env: dict[str, str] | None = None) -> None:
-        start(self, module, env)
+    def recorded(
+        self: _child.ForkServer, module: str, env: dict[str, str] | None = None, **rest: Any
+    ) -> None:
+        start(self, module, env, **rest)
         servers.append((module, dict(env or {})))
 
     monkeypatch.setattr(_child.ForkServer, "__init__", recorded)

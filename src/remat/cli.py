@@ -352,8 +352,11 @@ def _run(
             if lines is not None:
                 lines.done(what)
 
-        # Each strategy's memory in a process of its own, forked from one that imported torch.
-        with ForkServer("remat.bench.measure", _MEMORY_ALLOCATOR) as forks:
+        # Each strategy's memory in a process of its own, forked from one that imported torch
+        # and what torch.profiler imports as it starts (torch._inductor, about a second).
+        with ForkServer(
+            "remat.bench.measure", _MEMORY_ALLOCATOR, preload=["torch._inductor"]
+        ) as forks:
             memory = _memories(base, [s for s in names if s not in planned], forks, step, done)
             if planned:
                 plans = _plans(base, planned, memory, Path(directory), step, done)

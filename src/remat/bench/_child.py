@@ -55,12 +55,16 @@ class ForkServer:
     allocator, random generators, the modules' globals), two seconds sooner.
 
     ``env`` is added to the server's environment, and so to every child's; settings read as
-    a process starts (glibc's ``MALLOC_*``) take effect as in :func:`run_child`. Use it as a
-    context manager: the server exits at the end of the ``with`` block.
+    a process starts (glibc's ``MALLOC_*``) take effect as in :func:`run_child`. ``preload``
+    names more modules the server imports, ones each child would otherwise import on its own.
+    Use it as a context manager: the server exits at the end of the ``with`` block.
     """
 
-    def __init__(self, module: str, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, module: str, env: Mapping[str, str] | None = None, preload: Sequence[str] = ()
+    ) -> None:
         self.module = module
+        self.preload = list(preload)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.server: subprocess.Popen[str] | None = None
         self.directory: tempfile.TemporaryDirectory[str] | None = None
@@ -69,7 +73,7 @@ class ForkServer:
         self.directory = tempfile.TemporaryDirectory(prefix="remat-forks-")
         with open(os.path.join(self.directory.name, "server.txt"), "w") as errors:
             self.server = subprocess.Popen(
-                [sys.executable, "-m", "remat.bench._child", self.module],
+                [sys.executable, "-m", "remat.bench._child", self.module, *self.preload],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=errors,
@@ -123,10 +127,12 @@ class ForkServer:
         return answer
 
 
-def _serve(module_name: str) -> None:
+def _serve(module_name: str, preload: Sequence[str]) -> None:
     """The server of :class:`ForkServer`: one order per line on stdin, each run in a forked
     child, its exit status written back as a line."""
     module = importlib.import_module(module_name)
+    for name in preload:
+        importlib.import_module(name)
     for line in sys.stdin:
         order = json.loads(line)
         pid = os.fork()
@@ -152,4 +158,4 @@ def _serve(module_name: str) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], sys.argv[2:])
