@@ -144,6 +144,10 @@ def test_bench_plans_at_each_torch_peak(tmp_path: Path, capsys: pytest.CaptureFi
     assert planned["budget_feasible"] and planned["budget_bytes"] == torch_block["peak_bytes"]
     assert planned["peak_bytes"] <= torch_block["peak_bytes"] and planned["grads_equal"]
     assert planned["counterpart"] == "torch-block"
+    # The plan measured, block by block: every block of the small GPT once, in runs.
+    runs = planned["plan_blocks"]
+    assert runs and runs[0].startswith("blocks.0") and "blocks.3" in runs[-1], runs
+    assert torch_block["plan_blocks"] is None
     (found,) = data["dominance"]
     assert found["torch"] == "torch-block" and found["planned"] == "remat-auto@torch-block"
     assert found["time_ratio"] == planned["counterpart_time_ratio"]

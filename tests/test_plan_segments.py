@@ -645,11 +645,12 @@ def test_the_summary_lists_blocks_by_path_in_runs_of_one_option() -> None:
         block(9, "region"),
         block(10, "plain", kind="B"),
     ]
-    assert _block_runs(blocks, several_types=False) == [
-        "    l.0       graph-4",
-        "    l.1..l.4  segment-2 (4 blocks, 2 segments)",
-        "    l.5..l.7  segment-3 (3 blocks, one segment)",
-        "    l.8..l.9  region (2 blocks)",
-        "    l.10      plain",
+    assert _block_runs(blocks, several_types=False, aligned=True) == [
+        "l.0       graph-4",
+        "l.1..l.4  segment-2 (4 blocks, 2 segments)",
+        "l.5..l.7  segment-3 (3 blocks, one segment)",
+        "l.8..l.9  region (2 blocks)",
+        "l.10      plain",
     ]
-    assert _block_runs(blocks, several_types=True)[-1] == "    l.10      B: plain"
+    assert _block_runs(blocks, several_types=True, aligned=True)[-1] == "l.10      B: plain"
+    assert _block_runs(blocks, several_types=False, aligned=False)[0] == "l.0  graph-4"

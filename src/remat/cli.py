@@ -466,6 +466,7 @@ def _result(
                 bool(memory[s]["budget_feasible"]) if "budget_feasible" in memory[s] else None
             ),
             no_plan=memory[s].get("no_plan"),
+            plan_blocks=memory[s].get("plan_blocks"),
         )
         for s in names
     ]

@@ -43,6 +43,8 @@ class Row:
     # instead (``budget_bytes``), and ``no_plan`` is the planner's message.
     budget_feasible: bool | None = None
     no_plan: str | None = None
+    # The plan's option for each block, in runs of consecutive blocks (``Plan.block_runs``).
+    plan_blocks: list[str] | None = None
 
 
 @dataclass(frozen=True)

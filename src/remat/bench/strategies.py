@@ -355,7 +355,8 @@ def plan_budgets(
     at the budget the planner names instead, and says so: ``budget_feasible`` 0,
     ``budget_bytes`` that budget, ``no_plan`` the planner's message. Each entry also holds
     the plan as JSON (``plan``), its prediction, the seconds of the shared profile
-    (``profile_seconds``) and of its own solve and check (``plan_seconds``).
+    (``profile_seconds``) and of its own solve and check (``plan_seconds``), and its blocks'
+    options in runs (``plan_blocks``, see ``Plan.block_runs``).
     """
     from ..planning.planner import profile_model
 
@@ -395,6 +396,7 @@ def _plan_at(
         "budget_bytes": float(plan.budget),
         "predicted_peak_bytes": float(plan.predicted_peak),
         "predicted_time_ratio": plan.predicted_seconds / max(plan.plain_seconds, 1e-12),
+        "plan_blocks": plan.block_runs(),
         "plan_seconds": time.perf_counter() - started,
         "solve_seconds": float(plan.solver["solve_seconds"]),
     }

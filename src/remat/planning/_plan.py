@@ -209,7 +209,7 @@ class Plan:
                 f"({self.measured.get('solves', 1)} solve(s))"
             )
         lines.append("  blocks in forward order:")
-        lines += _block_runs(self.blocks, several_types=len(self.options) > 1)
+        lines += [f"    {line}" for line in _block_runs(self.blocks, len(self.options) > 1, True)]
         for name, options in self.options.items():
             lines.append(
                 f"  options of {name} (kept, backward peak: measured; extra time: "
@@ -233,6 +233,11 @@ class Plan:
                     f"{o.seconds * 1e3:8.2f} ms {measured}{what}"
                 )
         return "\n".join(lines)
+
+    def block_runs(self) -> list[str]:
+        """Each block's option, one line per run of consecutive blocks with the same one, as
+        :meth:`summary` lists them: ``"blocks.1..blocks.4  segment-2 (4 blocks, 2 segments)"``."""
+        return _block_runs(self.blocks, len(self.options) > 1, aligned=False)
 
     def report(self, observed_peak: int | None = None) -> str:
         """Predicted against observed: the ops each graph-engine block followed and could not
@@ -304,9 +309,9 @@ def fingerprint(model: nn.Module, blocks: list[str]) -> dict[str, Any]:
     }
 
 
-def _block_runs(blocks: list[dict[str, Any]], several_types: bool) -> list[str]:
-    """The summary's lines for ``blocks``: one per run of consecutive blocks with the same
-    option, by path, with how many blocks (or segments) it holds."""
+def _block_runs(blocks: list[dict[str, Any]], several_types: bool, aligned: bool) -> list[str]:
+    """One line per run of consecutive blocks of ``blocks`` with the same option, by path,
+    with how many blocks (or segments) it holds; ``aligned``: the options in one column."""
     runs: list[list[Any]] = []  # first path, last path, label, blocks, segments
     for block in blocks:
         path = block["path"]
@@ -322,13 +327,13 @@ def _block_runs(blocks: list[dict[str, Any]], several_types: bool) -> list[str]:
         else:
             runs.append([path, path, label, 1, 1])
     spans = [first if first == last else f"{first}..{last}" for first, last, *_ in runs]
-    width = max(map(len, spans), default=0)
+    width = max(map(len, spans), default=0) if aligned else 0
     lines = []
     for span, (_, _, label, count, units) in zip(spans, runs, strict=True):
         many = f"{count} blocks"
         if "segment-" in label:
             many += ", one segment" if units == 1 else f", {units} segments"
-        lines.append(f"    {span:<{width}}  {label}" + (f" ({many})" if count > 1 else ""))
+        lines.append(f"{span:<{width}}  {label}" + (f" ({many})" if count > 1 else ""))
     return lines
 
 
