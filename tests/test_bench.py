@@ -520,7 +520,11 @@ def test_a_fork_server_runs_each_request_in_a_fresh_child_of_one_server(
         forks.run({"n": 3}, "a late one")
 
 
-def test_a_fork_server_that_cannot_start_says_why() -> None:
+def test_a_fork_server_that_cannot_start_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server whose module does not import, or whose imports initialized CUDA (its children
+    could not use it), exits; the request says why."""
     from remat.bench._child import ForkServer
 
     with ForkServer("remat.no_such_module") as forks, pytest.raises(remat.RematError) as failed:
@@ -528,3 +532,12 @@ def test_a_fork_server_that_cannot_start_says_why() -> None:
     message = str(failed.value)
     assert message.startswith("remat bench: the memory of none failed: its server process exited")
     assert "No module named 'remat.no_such_module'" in message
+    (tmp_path / "served.py").write_text(_SERVED)
+    (tmp_path / "cuda_on.py").write_text("import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cuda_on = r"importing \['served', 'cuda_on'\] initialized CUDA"
+    with (
+        ForkServer("served", preload=["cuda_on"]) as forks,
+        pytest.raises(remat.RematError, match=cuda_on),
+    ):
+        forks.run({"n": 1}, "the memory of none")

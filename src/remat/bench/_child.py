@@ -51,8 +51,9 @@ class ForkServer:
     """Fresh processes for many measurements of one kind, without importing torch for each:
     a server process imports ``module`` once and forks a child per :meth:`run`, which calls
     ``module.handle(request)`` and exits. A child starts from the server's state, in which no
-    tensor was ever made: as fresh as a new interpreter for what is measured in it (the
-    allocator, random generators, the modules' globals), two seconds sooner.
+    tensor was ever made and CUDA never initialized: as fresh as a new interpreter for what is
+    measured in it (the allocator, random generators, CUDA, the modules' globals), two seconds
+    sooner.
 
     ``env`` is added to the server's environment, and so to every child's; settings read as
     a process starts (glibc's ``MALLOC_*``) take effect as in :func:`run_child`. ``preload``
@@ -133,6 +134,11 @@ def _serve(module_name: str, preload: Sequence[str]) -> None:
     module = importlib.import_module(module_name)
     for name in preload:
         importlib.import_module(name)
+    import torch
+
+    # A child forked after CUDA was initialized cannot use CUDA: the server never touches it.
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        raise SystemExit(f"remat bench: importing {[module_name, *preload]} initialized CUDA.")
     for line in sys.stdin:
         order = json.loads(line)
         pid = os.fork()
