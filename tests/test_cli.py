@@ -30,14 +30,14 @@ def test_bench_end_to_end(
 ) -> None:
     from remat.bench import _child
 
-    servers: list[tuple[str, dict[str, str]]] = []
+    servers: list[tuple[str, dict[str, str], Any]] = []
     start = _child.ForkServer.__init__
 
     def recorded(
         self: _child.ForkServer, module: str, env: dict[str, str] | None = None, **rest: Any
     ) -> None:
         start(self, module, env, **rest)
-        servers.append((module, dict(env or {})))
+        servers.append((module, dict(env or {}), rest.get("preload")))
 
     monkeypatch.setattr(_child.ForkServer, "__init__", recorded)
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
@@ -71,8 +71,9 @@ def test_bench_end_to_end(
     assert data["rows"][1]["peak_bytes"] < data["rows"][0]["peak_bytes"]
     assert out_png.read_bytes()[:4] == b"\x89PNG"
     # Every memory was measured in a process forked from one server, whose frees of large
-    # tensors go back to the system.
-    assert servers == [("remat.bench.measure", {"MALLOC_MMAP_THRESHOLD_": "65536"})]
+    # tensors go back to the system, and which imported what the profiler imports as it starts.
+    threshold = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    assert servers == [("remat.bench.measure", threshold, ["torch._inductor"])]
     assert "remat-block" in out and "time vs torch" in out
     assert data["allocator"] == "cached" and "minor page faults per step (cached allocator)" in out
     assert all(r["faults_per_step"] >= 0 for r in data["rows"])

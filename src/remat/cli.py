@@ -356,7 +356,7 @@ def _run(
         # and, on CPU, what torch.profiler imports as it starts (torch._inductor, about a
         # second); on CUDA the allocator's counters measure, with no profiler.
         preload = ["torch._inductor"] if base["device"] == "cpu" else []
-        with ForkServer("remat.bench.measure", _MEMORY_ALLOCATOR, preload) as forks:
+        with ForkServer("remat.bench.measure", _MEMORY_ALLOCATOR, preload=preload) as forks:
             memory = _memories(base, [s for s in names if s not in planned], forks, step, done)
             if planned:
                 plans = _plans(base, planned, memory, Path(directory), step, done)
