@@ -248,6 +248,32 @@ def test_bad_input_is_one_line_and_exit_2(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs transformers (the dev extra)"
+)
+def test_bench_on_a_hugging_face_model_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``remat bench --hf gpt2``: every row's gradients equal the plain model's, and the memory
+    server imported transformers and GPT-2's modules once, for all its children."""
+    from remat.bench import _child
+
+    preloads: list[Any] = []
+    start = _child.ForkServer.__init__
+
+    def recorded(self: _child.ForkServer, *args: Any, **kwargs: Any) -> None:
+        start(self, *args, **kwargs)
+        preloads.append(self.preload)
+
+    monkeypatch.setattr(_child.ForkServer, "__init__", recorded)
+    _, data = _small_bench(capsys, tmp_path, "--hf", "gpt2", "--strategies", "remat-hf")
+    assert [r["strategy"] for r in data["rows"]] == ["none", "remat-hf"]
+    assert all(r["grads_equal"] for r in data["rows"])
+    assert data["rows"][1]["peak_bytes"] < data["rows"][0]["peak_bytes"]
+    expected = ["transformers", "transformers.models.gpt2.modeling_gpt2"]
+    assert preloads == [["torch._inductor", *expected]]
+
+
 def test_hf_without_transformers(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

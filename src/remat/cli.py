@@ -354,8 +354,13 @@ def _run(
 
         # Each strategy's memory in a process of its own, forked from one that imported torch
         # and, on CPU, what torch.profiler imports as it starts (torch._inductor, about a
-        # second); on CUDA the allocator's counters measure, with no profiler.
-        preload = ["torch._inductor"] if base["device"] == "cpu" else []
+        # second) and a Hugging Face model's modules. On CUDA the allocator's counters measure,
+        # with no profiler, and transformers may ask CUDA for its devices as it imports.
+        preload = []
+        if base["device"] == "cpu":
+            from .bench.hf import preload as hf_modules
+
+            preload = ["torch._inductor", *(hf_modules(base["hf"]) if base["hf"] else [])]
         with ForkServer("remat.bench.measure", _MEMORY_ALLOCATOR, preload=preload) as forks:
             memory = _memories(base, [s for s in names if s not in planned], forks, step, done)
             if planned:

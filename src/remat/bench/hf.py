@@ -77,6 +77,12 @@ def _build(name: str, s: dict[str, int]) -> nn.Module:
     return model
 
 
+def preload(name: str) -> list[str]:
+    """The modules each measurement of the Hugging Face model ``name`` imports (about 2.5 s),
+    for a fork server to import once (see ``_child.ForkServer``)."""
+    return ["transformers", f"transformers.models.{name}.modeling_{name}"]
+
+
 def _transformers() -> Any:
     import importlib
 
