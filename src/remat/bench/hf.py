@@ -46,6 +46,9 @@ def _build(name: str, s: dict[str, int]) -> nn.Module:
             n_embd=s["width"],
             n_layer=s["layers"],
             n_head=s["heads"],
+            # GPT-2's own (50256) lies outside the smaller vocabularies here: transformers warns.
+            bos_token_id=s["vocab"] - 1,
+            eos_token_id=s["vocab"] - 1,
             use_cache=False,
             attn_implementation="eager",
         )
