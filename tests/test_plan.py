@@ -1031,7 +1031,7 @@ def test_the_planner_on_allocator_counters_predicts_what_they_measure(
 
     Which plan is made depends on measured times. On the GPT every plan is predicted to the
     byte at the first solve: 32 plans made with random option times (regions, segments, the
-    graph engine at five caps) all were. On the ConvNet, 20 such plans missed by up to 9,088
+    graph engine at four caps) all were. On the ConvNet, 20 such plans missed by up to 9,088
     bytes either way on these counters (those above the budget were solved again, as
     ``solve_measured`` does), while six at 70% missed by none on the CPU allocator's events:
     the difference lies in the tracker's books (which leave out kernels' scratch memory, see
