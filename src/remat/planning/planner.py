@@ -954,7 +954,7 @@ def profile_model(
             # seconds were measured after it. On a 2-core host, a medium GPT's plain step read
             # 0.231, 0.221 and 0.232 s at a profile's start and 0.260, 0.253 and 0.222 s at
             # its end: it is timed again there, and both sets pooled.
-            later = time_plain_steps(model, step, device, max(repeats, 1))
+            later = time_plain_steps(model, step, device, repeats)
             samples = [*plain.samples, *later]
             plain = dataclasses.replace(plain, seconds=statistics.median(samples), samples=samples)
     return Profiled(
