@@ -1148,3 +1148,70 @@ def test_the_planners_cuda_path_runs_with_torch_cuda_answered_on_the_cpu(
     with pytest.warns(UserWarning, match="runs on cpu, but the plan was measured on cuda"):
         got = train(plan.apply(copy.deepcopy(model)), batches, workload.loss_fn)
     assert_records_equal(train(copy.deepcopy(model), batches, workload.loss_fn), got)
+
+
+class _MaskedBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        # The mask is added, which saves nothing of it; ``scale`` multiplies, which saves it.
+        scores = (h @ h.transpose(-1, -2)) * scale + mask
+        return x + self.out(torch.tanh(scores.softmax(-1) @ h))
+
+
+class _Masked(nn.Module):
+    """Blocks that all get one additive mask the forward makes, as Hugging Face's eager
+    attention does, and one tensor the plain step keeps for backward anyway."""
+
+    def __init__(self, width: int = 16, blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_MaskedBlock(width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        mask = torch.full((x.shape[0], n, n), -1e4).triu(1)
+        scale = torch.full((1, 1, 1), 0.25)
+        for block in self.blocks:
+            x = block(x, mask, scale)
+        return x
+
+
+@pytest.mark.parametrize("budget", ["80%", "70%", "smallest"])
+def test_side_inputs_every_block_gets_are_predicted_where_plans_hold_them(budget: str) -> None:
+    """A mask the forward passes to every block is freed with the plain step's forward, and
+    held by every block that recomputes until backward needs it (see [ Side inputs ] in
+    ``solve.py``): counted once, the prediction is the measured peak to the byte. Without it
+    every plan that recomputes a block measured the mask's bytes above its prediction."""
+    from remat.planning.planner import profile_model, solve
+
+    torch.manual_seed(0)
+    model = _Masked().train()
+    x = torch.randn(4, 64, 16)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    profiled = profile_model(model, x, loss_fn, blocks=_MaskedBlock, repeats=0)
+    assert profiled.side_bytes == 4 * 64 * 64 * 4  # the mask; ``scale`` is saved by the step
+    plan = solve(profiled, _smallest(profiled) if budget == "smallest" else budget)
+    options = [o for opts in profiled.chain for o in opts]
+    assert {o.side for o in options} == {0, profiled.side_bytes}
+    assert any(b["option"] != "plain" for b in plan.blocks)  # each such option holds it
+    planned = plan.apply(copy.deepcopy(model))
+
+    def step() -> None:
+        torch.manual_seed(0)
+        loss_fn(planned(x)).backward()  # type: ignore[no-untyped-call]
+
+    step()
+    assert peak_step_bytes(step, torch.device("cpu")) == plan.predicted_peak, plan.summary()
+    plain = copy.deepcopy(model)
+    batches = [(x, None), (x, None)]
+    assert_records_equal(
+        train(plain, batches, lambda o, _: loss_fn(o)),
+        train(planned, batches, lambda o, _: loss_fn(o)),
+    )

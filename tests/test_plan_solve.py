@@ -613,3 +613,66 @@ def test_chain_solvers_with_forward_peaks_match_brute_force(cached: bool) -> Non
         ]
         cases += _solved_as_brute_force(costs, blocks, (1500, 2000, 2500, 3000, 4000))
     assert cases >= 30
+
+
+def test_side_inputs_held_count_once_from_the_forward_end_to_the_backward_end() -> None:
+    # A mask every block gets, which a plain block frees with the forward and a recomputing
+    # block holds (see [ Side inputs ]): the most any chosen option holds counts once at the
+    # forward's end, at every block's backward and in the tail; a chain that holds none is
+    # predicted as before.
+    costs = ChainCosts(head=10, before=5, tail=3)
+    plain = ChainOption(kept=100, backward=120, seconds=0.0)
+    dropped = ChainOption(kept=20, backward=110, seconds=1.0, left=15)
+    holding = dataclasses.replace(dropped, side=40)
+    assert chain_peak(costs, [plain, dropped]) == 215
+    assert chain_peak(costs, [plain, holding]) == 215 + 40
+    assert chain_peak(costs, [holding, plain]) == 145 + 40
+    assert (
+        chain_peak(costs, [holding, dataclasses.replace(holding, side=25)])
+        == chain_peak(costs, [dropped, dropped]) + 40
+    )
+    # The tail counts it too: 3 + 15 + 15 + 40 with nothing else.
+    light = ChainOption(kept=0, backward=0, seconds=1.0, left=15, side=40)
+    assert chain_peak(ChainCosts(head=0, before=0, tail=3), [light, light]) == 3 + 30 + 40
+    # Where the head peaks inside the forward, the plain step held the mask there too: only
+    # what follows the last block's forward (``head_after``) counts it.
+    tall = ChainCosts(head=300, before=5, tail=3, head_after=50)
+    assert chain_peak(tall, [holding, holding]) == 300 + 40
+    assert (
+        chain_peak(dataclasses.replace(tall, head_after=290), [holding, holding]) == 290 + 40 + 40
+    )
+
+
+def test_chain_solvers_with_side_inputs_match_brute_force() -> None:
+    # Options that hold side inputs of random sizes, on chains with and without segments and
+    # with casts cached: the fastest plan for the model, proven, at every budget; somewhere a
+    # plan that holds nothing wins because the side inputs put the faster ones over.
+    cases = won_without = 0
+    for seed in range(24):
+        rng = random.Random(seed)
+        costs, blocks = (_random_chain_with_segments if seed % 2 else _random_chain)(rng)
+        cached = seed % 3 == 0
+        blocks = [
+            [
+                dataclasses.replace(
+                    o,
+                    side=rng.choice([0, 150, 400]) if k > 0 else 0,
+                    cached=rng.choice([0, 100]) if cached and k > 0 else 0,
+                )
+                for k, o in enumerate(opts)
+            ]
+            for opts in blocks
+        ]
+        budgets = (1500, 2000, 2500, 3000, 4000)
+        cases += _solved_as_brute_force(costs, blocks, budgets)
+        for budget in budgets:
+            picks = chain_solve(costs, blocks, budget).picks
+            bare = [[dataclasses.replace(o, side=0) for o in opts] for opts in blocks]
+            faster = chain_solve(costs, bare, budget).picks
+            if picks is not None and faster is not None:
+                took = sum(o.seconds for o in chosen(blocks, picks))
+                could = sum(o.seconds for o in chosen(bare, faster))
+                if took > could + 1e-9 and not any(o.side for o in chosen(blocks, picks)):
+                    won_without += 1
+    assert cases >= 60
+    assert won_without > 0

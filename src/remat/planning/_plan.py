@@ -72,6 +72,10 @@ class Option:
     # what it keeps: weights it cast and does not keep (see NOTE [ Planning under autocast ] in
     # ``_autocast.py``); zero without autocast.
     cached: int = 0
+    # Bytes of the block's side inputs (an attention mask every block gets) it holds after its
+    # forward, measured alone (see ``cost.side_inputs``): they live on past the model's forward
+    # where a plain block frees them.
+    side: int = 0
 
     @property
     def offloads(self) -> bool:

@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autocast import loop_forward
-from .profile import first_tensor, fresh_inputs, synchronize, timed
+from .profile import first_tensor, fresh_inputs, side_inputs, synchronize, timed, used_elsewhere
 
 __all__: list[str] = []
 
@@ -267,6 +267,7 @@ class Memory(NamedTuple):
     left: int
     forward: int
     cached: int  # held by autocast's cache until its forward's context ends, not kept
+    side: int = 0  # bytes of its side inputs it holds after its forward (see ``side_inputs``)
 
 
 def measure_memory(
@@ -278,8 +279,14 @@ def measure_memory(
     gradient), and the peak during forward (``forward``), each above the level before
     forward. ``left`` may be negative: a plain block frees its input. The block reads its
     inputs as results of an op, as in a chain, not as leaves: a graph engine holds such
-    inputs, and what it replayed, until the backward ends."""
+    inputs, and what it replayed, until the backward ends.
+
+    ``side`` is what the block holds of its side inputs (:func:`side_inputs`) after its
+    forward, found in the warm-up run: their storages still in use once the caller's references
+    are gone. In the measured run the caller holds them, as a model's forward holds a mask it
+    passes to every block, so ``kept`` leaves them out."""
     sizes: list[int] = []
+    held: list[int] = []
 
     def run(mark: Mark | None) -> None:
         leaves = fresh_inputs(inputs)
@@ -289,6 +296,7 @@ def measure_memory(
         tracked = [
             t for t in pytree.tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad
         ]
+        side = [t.untyped_storage() for t in side_inputs(leaves)] if mark is None else []
         torch.manual_seed(0)
         if mark is not None:
             mark("start")
@@ -300,6 +308,10 @@ def measure_memory(
             del args, kwargs
             if mark is not None:
                 mark("cast")
+        if side:
+            del leaves
+            held.append(sum(s.nbytes() for s in side if used_elsewhere(s)))
+            del side
         if mark is not None:
             mark("forward")
         grad = torch.ones_like(out)
@@ -325,7 +337,8 @@ def measure_memory(
     backward = max(line.peaks["forward"], line.peaks.get("inputs", 0)) - start
     kept = line.levels["forward"] - start
     forward = max(line.peaks["start"], line.peaks["cast"]) - start
-    return Memory(kept, backward, left, forward, line.levels["cast"] - line.levels["forward"])
+    cached = line.levels["cast"] - line.levels["forward"]
+    return Memory(kept, backward, left, forward, cached, held[0] if held else 0)
 
 
 def measure_seconds(
@@ -384,6 +397,10 @@ class PlainStep:
     forward_head: int
     tail: int  # the peak after the first block's backward
     seconds: float  # the median of ``samples``
+    # ``head`` and ``forward_head`` from the last block's forward end on, past the tensors the
+    # model's forward frees as it returns (see [ Side inputs ] in ``solve.py``).
+    head_after: int = 0
+    forward_head_after: int = 0
     samples: list[float] = field(default_factory=list)  # seconds of each timed plain step
 
 
@@ -471,6 +488,12 @@ def measure_plain_step(
     forward_head = max(
         [level0, line.levels["forward_end"], *(line.peaks[m] for m in order[:ended])]
     )
+    last = order.index(f"fe{n - 1}")
+    backward = order.index(f"bs{n - 1}")
+    head_after = max([line.levels[f"bs{n - 1}"], *(line.peaks[m] for m in order[last:backward])])
+    forward_head_after = max(
+        [line.levels["forward_end"], *(line.peaks[m] for m in order[last:ended])]
+    )
     tail_marks = order[order.index(f"bs{0}") + 1 :]
     tail = max((line.peaks[name] for name in tail_marks), default=0)
     seconds = time_plain_steps(model, step, device, repeats)
@@ -483,6 +506,8 @@ def measure_plain_step(
         head=head,
         forward_head=min(forward_head, head),
         tail=tail,
+        head_after=head_after,
+        forward_head_after=min(forward_head_after, head_after),
         seconds=statistics.median(seconds),
         samples=seconds,
     )

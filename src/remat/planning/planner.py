@@ -266,6 +266,7 @@ class _SegmentCosts(NamedTuple):
     left: float
     forward: float
     cached: float
+    side: float
     seconds: float
 
 
@@ -318,6 +319,7 @@ def _segments(
                 got.left - chain.left + span * single.left,
                 got.forward,
                 got.cached - chain.cached + span * single.cached,
+                got.side,
                 (
                     measure_seconds(segment, plain, inputs, device, repeats)
                     if repeats > 0
@@ -344,7 +346,7 @@ def _segments(
                 grown = [y + (span - 3) * (y - x) for x, y in zip(a[:-1], b[:-1], strict=True)]
                 values = _SegmentCosts._make([*grown, span * (a.seconds + b.seconds) / 5])
                 source = "extrapolated"
-            kept, backward, left, forward, cached, seconds = values
+            kept, backward, left, forward, cached, side, seconds = values
             options.append(
                 Option(
                     name=f"segment-{span}" + (f"-{tier}" if tier else ""),
@@ -360,6 +362,7 @@ def _segments(
                     forward=int(forward),
                     linked=linked and tier is None,
                     cached=int(cached),
+                    side=int(side),
                 )
             )
     return options
@@ -386,7 +389,7 @@ def _measure(
 ) -> Option:
     copy_ = copy.deepcopy(block)
     apply_option(copy_, c.name, c.kind, c.decisions, c.tier)
-    kept, backward, left, forward, cached = measure_memory(copy_, inputs, device)
+    kept, backward, left, forward, cached, side = measure_memory(copy_, inputs, device)
     measured = None
     if repeats > 0:
         timed = c.kind != "plain" or c.tier is not None
@@ -405,6 +408,7 @@ def _measure(
         tier=c.tier,
         forward=forward,
         cached=cached,
+        side=side,
     )
 
 
@@ -635,8 +639,8 @@ def undominated(options: list[Option]) -> list[Option]:
     using no tier the other does not (a plan restricted to fewer tiers keeps what it can use);
     segments compete among themselves only (one covers more blocks). The plain block stays."""
 
-    def counts(o: Option) -> tuple[int, int, float, int]:
-        return (o.kept, _chain_backward(o), _chain_seconds(o), o.left)
+    def counts(o: Option) -> tuple[int, int, float, int, int]:
+        return (o.kept, _chain_backward(o), _chain_seconds(o), o.left, o.side)
 
     return [
         o
@@ -689,10 +693,12 @@ def _chain(
     options: dict[str, list[Option]],
     groups: Sequence[str] = (),
     chained: dict[str, str] | None = None,
+    side: int = 0,
 ) -> tuple[ChainCosts, list[list[ChainOption]], list[list[str]]]:
     """The chain model's constants, and per block the options that may start there (a segment
     only where the blocks it covers are what its measured chain was, see :func:`_covers`, and,
-    if ``groups`` names one per block, of one group) with their names."""
+    if ``groups`` names one per block, of one group) with their names. ``side``: the bytes of
+    the side inputs every block gets (see [ Side inputs ] in ``solve.py``)."""
     base = {name: next(o for o in opts if o.kind == "plain") for name, opts in options.items()}
     # What is live besides the blocks' kept bytes at each block's backward, measured there: in
     # a U-Net the skip tensors and their gradients make it differ from block to block, and one
@@ -707,6 +713,8 @@ def _chain(
         tail=plain.tail,
         gaps=gaps,
         forward_head=plain.forward_head - sum(plain.kept),
+        head_after=plain.head_after - sum(plain.kept),
+        forward_head_after=plain.forward_head_after - sum(plain.kept),
         # The level each block's forward starts from, as the gaps are made: its forward peak
         # on the plain step, less the plain block's own alone and the blocks' kept before it.
         starts=tuple(
@@ -737,6 +745,10 @@ def _chain(
                     span=o.span,
                     cached=max(o.cached - o.span * base[t].cached, 0),
                     forward=o.forward,
+                    # Of the side inputs the plain step frees with its forward: what it
+                    # holds beyond the plain block (which holds those the step keeps, as
+                    # Llama's rotary tables), at most those.
+                    side=min(max(o.side - base[t].side, 0), side),
                 )
                 for o in here
             ]
@@ -801,6 +813,8 @@ class Profiled:
     chained: dict[str, str] = field(default_factory=dict)
     training: bool = True  # the model's mode when it was profiled
     input_bytes: int = 0  # of the tensors the first block got
+    # Of the side inputs every block got, the same tensors (see [ Side inputs ] in ``solve.py``).
+    side_bytes: int = 0
     autocast: Autocast | None = None  # the loop's, around each forward
     device: str = "cpu"  # the type of the device the step ran and was measured on
     costs: ChainCosts = field(init=False)
@@ -809,7 +823,7 @@ class Profiled:
 
     def __post_init__(self) -> None:
         self.costs, self.chain, self.names = _chain(
-            self.plain, self.types, self.options, self.groups, self.chained
+            self.plain, self.types, self.options, self.groups, self.chained, self.side_bytes
         )
 
     def restricted(self, tiers: Sequence[str]) -> Profiled:
@@ -974,9 +988,19 @@ def profile_model(
         chained=dict(found.chained),
         training=model.training,
         input_bytes=input_bytes(found.inputs[paths[0]]),
+        side_bytes=_shared_side_bytes([found.side.get(p, {}) for p in paths]),
         device=device.type,
         autocast=autocast,
     )
+
+
+def _shared_side_bytes(side: list[dict[int, int]]) -> int:
+    """The bytes of the side inputs (``profile.side_inputs``) that every block got, the same
+    storages in each; ``side`` holds each block's, address -> bytes."""
+    if not side:
+        return 0
+    shared = set(side[0]).intersection(*side[1:])
+    return sum(side[0][k] for k in shared)
 
 
 def _linked_runs(paths: list[str], linked: set[str]) -> list[str]:
@@ -1047,6 +1071,7 @@ def solve(
                 "tail": costs.tail,
                 "gaps": list(costs.gaps),
                 "starts": list(costs.starts),
+                "side": profiled.side_bytes,
             },
         },
         tiers=profiled.tiers,

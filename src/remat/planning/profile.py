@@ -90,6 +90,9 @@ class Blocks:
     # is followed by blocks whose input does. A segment measured on copies of the first block
     # covers such followers (see [ Segments ] in ``solve.py``).
     chained: dict[str, str] = field(default_factory=dict)
+    # Per block, its side inputs' storages (``side_inputs``) that the plain step frees by its
+    # forward's end: address -> bytes.
+    side: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 def op_key(module: str, op: Any, occurrence: int) -> str:
@@ -235,9 +238,10 @@ def _refuse_cache(path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
 
 
 def capture(
-    model: nn.Module, paths: list[str], step: Callable[[], Any], *, named: bool = True
+    model: nn.Module, paths: list[str], step: Callable[..., Any], *, named: bool = True
 ) -> Blocks:
-    """Run ``step`` once (forward and backward) and capture each block's inputs; blocks whose
+    """Run ``step(forward_end)`` once (forward and backward; it calls ``forward_end()`` where
+    the forward and the loss end) and capture each block's inputs; blocks whose
     parameters and input shapes agree get one type name. The blocks come back in the order the
     forward calls them; a block it does not call is an error where the user ``named`` the
     blocks, and left out where ``find_blocks`` found them (a model's evaluation-only heads)."""
@@ -249,6 +253,10 @@ def capture(
         def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
             if path not in found.inputs:
                 _refuse_cache(path, module, args, kwargs)
+                for t in side_inputs((args, kwargs)):
+                    storage = t.untyped_storage()
+                    side.setdefault(storage.data_ptr(), storage)
+                    found.side.setdefault(path, {})[storage.data_ptr()] = storage.nbytes()
                 found.inputs[path] = pytree.tree_map_only(
                     torch.Tensor,
                     lambda t: t.detach().clone().requires_grad_(t.requires_grad),
@@ -292,12 +300,25 @@ def capture(
         handles.append(
             module.register_forward_hook(lambda m, a, out, path=path: returned(path, out))
         )
+    # The blocks' side inputs' storages by address, held to the step's end: no other tensor
+    # takes the address of one freed before, so two blocks got the same tensor where addresses
+    # agree. Those the plain step still uses at its forward's end (an embedding saves the
+    # position ids it read) are live in its backward whatever the blocks hold.
+    side: dict[int, torch.UntypedStorage] = {}
+
+    def forward_end() -> None:
+        for address, storage in side.items():
+            if used_elsewhere(storage):
+                for got in found.side.values():
+                    got.pop(address, None)
+
     try:
-        step()
+        step(forward_end)
     finally:
         for h in handles:
             h.remove()
         last.clear()
+        side.clear()
     # Blocks found that the step does not call, or whose output needs no gradient (frozen, fed
     # an input that needs none: autograd saves nothing in them), are left out.
     ran = [path for path in found.inputs if named or path in trains]
@@ -453,6 +474,29 @@ def fresh_inputs(
         torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), inputs
     )
     return out
+
+
+def side_inputs(inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> list[torch.Tensor]:
+    """A block's side inputs: the tensors it is called with besides its first argument that
+    need no gradient (an attention mask, position ids), one per storage. A model's forward
+    makes them once and passes them to every block; what a block holds of them for its
+    backward lives as long as the block needs it, where a plain block may hold none."""
+    args, kwargs = inputs
+    seen: set[int] = set()
+    found = []
+    for t in pytree.tree_leaves((args[1:], kwargs)):
+        if isinstance(t, torch.Tensor) and not t.requires_grad:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                found.append(t)
+    return found
+
+
+def used_elsewhere(storage: torch.UntypedStorage) -> bool:
+    """Whether anything besides the caller's reference to ``storage`` uses it: a tensor on it,
+    a tensor autograd saved, a recompute's record."""
+    return int(torch._C._storage_Use_Count(storage._cdata)) > 1
 
 
 def first_tensor(out: Any) -> torch.Tensor:

@@ -293,6 +293,9 @@ class ChainOption:
     cached: int = 0
     # bytes needed during its forward above the level before it (see [ The chain DP ])
     forward: int = 0
+    # bytes of the side inputs every block gets that it holds past its forward (see
+    # [ Side inputs ])
+    side: int = 0
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,28 @@ class ChainCosts:
     # Per block: the level its forward starts from besides the kept and cached bytes of the
     # blocks before it (``F_i`` in [ The chain DP ]); none: forwards are not counted.
     starts: tuple[int, ...] = ()
+    # ``head`` and ``forward_head`` from the last block's forward end on, where the plain step
+    # no longer holds the side inputs (see [ Side inputs ]); None: the whole of them.
+    head_after: int | None = None
+    forward_head_after: int | None = None
+
+    def holding(self, side: int) -> ChainCosts:
+        """These costs with ``side`` bytes of side inputs live from the last block's forward
+        end to the backward's end (see [ Side inputs ])."""
+        after = self.head if self.head_after is None else self.head_after
+        forward_head = self.forward_head
+        if forward_head is not None:
+            forward_after = (
+                forward_head if self.forward_head_after is None else self.forward_head_after
+            )
+            forward_head = max(forward_head, forward_after + side)
+        return dataclasses.replace(
+            self,
+            head=max(self.head, after + side),
+            before=self.before + side,
+            tail=self.tail + side,
+            forward_head=forward_head,
+        )
 
     def end(self, cached: int) -> int:
         """What the head needs at the forward's end with ``cached`` bytes in autocast's cache."""
@@ -333,6 +358,9 @@ def chosen(blocks: Sequence[Sequence[ChainOption]], picks: Sequence[int]) -> lis
 
 def chain_peak(costs: ChainCosts, options: Sequence[ChainOption]) -> int:
     """The predicted peak of one assignment's options in forward order (see [ The chain DP ])."""
+    side = max((o.side for o in options), default=0)
+    if side:
+        costs = costs.holding(side)
     prefix = cached = 0
     left = sum(o.left for o in options)
     peak = costs.tail + left
@@ -405,7 +433,9 @@ def chain_solve(
     budget is solved again on finer grids, then on tighter budgets, so what is returned
     always fits. Options whose casts autocast's cache holds are solved as [ Casts cached to
     the forward's end ] says, by a MILP that may stop at ``time_limit`` seconds with its best
-    answer so far (``optimal`` False)."""
+    answer so far (``optimal`` False). Side inputs are solved as [ Side inputs ] says."""
+    if any(o.side for opts in blocks for o in opts):
+        return _side_solve(costs, blocks, budget, grid, rgrid, time_limit)
     # NOTE [ Casts cached to the forward's end ]
     #
     # Under a loop's autocast, the cast weights a block does not keep (a region's, a segment's)
@@ -445,6 +475,58 @@ def chain_solve(
     if raised is not None and sum(o.seconds for o in chosen(blocks, raised)) <= fastest:
         return ChainAnswer(raised, True)  # as fast as any assignment, fitting or not
     return _bettered(costs, blocks, budget, raised, time_limit)
+
+
+def _side_solve(
+    costs: ChainCosts,
+    blocks: Sequence[Sequence[ChainOption]],
+    budget: int,
+    grid: int,
+    rgrid: int,
+    time_limit: float,
+) -> ChainAnswer:
+    """[ Side inputs ]: the fastest of the fastest assignments holding at most each amount of
+    side inputs that some option holds, on costs that hold that amount."""
+    # NOTE [ Side inputs ]
+    #
+    # A model's forward makes some tensors once and passes them to every block: an attention
+    # mask, position ids (``profile.side_inputs``). A plain block may hold none of them for
+    # its backward (a mask added to the attention scores is not saved), so the plain step
+    # frees them as its forward returns; a block that recomputes needs them in its backward
+    # and holds them: a region until its own backward, a graph-engine region until the whole
+    # backward ends. Measured alone, a block holds nothing of what its caller holds, so an
+    # option's ``kept`` leaves them out, and its ``side`` says how many of their bytes it
+    # keeps alive. An assignment's options hold them once, as many bytes as the option that
+    # holds the most (``ChainCosts.holding``), from the last block's forward end (the head,
+    # past the forward's own peak, where the plain step held them too) to the backward's end,
+    # at every block's backward and in the tail. That is exact where a graph-engine region
+    # holds them, and where the peak falls at or after the backward of the first block that
+    # holds them and not between the last block and the model's return (a final norm);
+    # elsewhere it is high by at most their bytes. Hugging
+    # Face GPT-2 and Llama pass a (batch, 1, seq, seq) float mask to every layer: 0.5 MiB at
+    # seq 256 and batch 2, by which every plan that recomputed a layer measured above its
+    # prediction before it was counted.
+    #
+    # The DP's state has no axis for what the blocks so far hold. The chain is solved once per
+    # amount some option holds, and once for none: with the options that hold at most that
+    # amount, on costs that hold it. Each assignment is predicted exactly by the solve for
+    # the most its options hold, and above that by the solves for more, so the fastest of the
+    # answers is the fastest for the model. The amounts are few: none, the mask, the mask
+    # and the position ids.
+    answers = []
+    optimal = True
+    for amount in sorted({0, *(o.side for opts in blocks for o in opts)}):
+        keep = [[k for k, o in enumerate(opts) if o.side <= amount] for opts in blocks]
+        some = [[opts[k] for k in kept] for opts, kept in zip(blocks, keep, strict=True)]
+        free = [[dataclasses.replace(o, side=0) for o in opts] for opts in some]
+        found = chain_solve(costs.holding(amount), free, budget, grid, rgrid, time_limit)
+        optimal = optimal and found.optimal
+        if found.picks is not None:
+            picks = [-1 if k < 0 else keep[i][k] for i, k in enumerate(found.picks)]
+            answers.append((sum(o.seconds for o in chosen(blocks, picks)), picks))
+    if not answers:
+        return ChainAnswer(None, optimal)
+    return ChainAnswer(min(answers, key=lambda a: a[0])[1], optimal)
 
 
 def _bettered(
