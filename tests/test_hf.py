@@ -378,3 +378,27 @@ def test_layers_by_name_and_a_deep_copy() -> None:
     remat.hf.disable(copy_)  # the copy carries its own regions and hooks
     assert not any("forward" in m.__dict__ for m in copy_.modules())
     assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == wrapped
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_plan_counts_the_mask_every_layer_gets_where_layers_hold_it(name: str) -> None:
+    """Eager attention passes one float mask to every layer, which adds it to its scores and
+    saves nothing of it: the plain step frees it as the model's forward returns, and a layer
+    that recomputes holds it until backward (see [ Side inputs ] in ``planning/solve.py``).
+    Counted once, each plan's peak is what one step of it measures, to the byte."""
+    from remat.planning.planner import _smallest, measured_peak, profile_model, solve
+
+    model, inputs = _model(name), {**_inputs(name), "use_cache": False}
+
+    def loss_fn(out: Any) -> torch.Tensor:
+        loss: torch.Tensor = out.loss
+        return loss
+
+    blocks = remat.hf.layer_classes(model)
+    profiled = profile_model(model, inputs, loss_fn, blocks=blocks, repeats=0)
+    assert profiled.side_bytes >= BATCH * SEQ * SEQ * 4  # the mask, at least
+    smallest = _smallest(profiled.costs, profiled.chain)
+    for budget in ("80%", smallest):
+        plan = solve(profiled, budget)
+        assert any(b["option"] != "plain" for b in plan.blocks)
+        assert measured_peak(plan, model, inputs, loss_fn) == plan.predicted_peak, plan.summary()
