@@ -212,6 +212,13 @@ class Plan:
                 f"  measured peak {fmt_bytes(verified)} in one step of the applied plan "
                 f"({self.measured.get('solves', 1)} solve(s))"
             )
+        side = self.solver.get("chain_costs", {}).get("side", 0)
+        if side:
+            lines.append(
+                f"  side inputs all blocks get (a mask, say), freed with the plain step's "
+                f"forward: {fmt_bytes(side)}, counted to the backward's end where a block holds "
+                "them"
+            )
         lines.append("  blocks in forward order:")
         lines += [f"    {line}" for line in _block_runs(self.blocks, len(self.options) > 1, True)]
         for name, options in self.options.items():
