@@ -480,12 +480,13 @@ def side_inputs(inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> list[torch.Te
     """A block's side inputs: the tensors it is called with besides its first argument that
     need no gradient (an attention mask, position ids), one per storage. A model's forward
     makes them once and passes them to every block; what a block holds of them for its
-    backward lives as long as the block needs it, where a plain block may hold none."""
+    backward lives as long as the block needs it, where a plain block may hold none. Only
+    plain tensors count: a subclass (a ``DTensor``) may have no storage to follow."""
     args, kwargs = inputs
     seen: set[int] = set()
     found = []
     for t in pytree.tree_leaves((args[1:], kwargs)):
-        if isinstance(t, torch.Tensor) and not t.requires_grad:
+        if type(t) is torch.Tensor and not t.requires_grad:
             key = t.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)
