@@ -1201,7 +1201,7 @@ def test_side_inputs_every_block_gets_are_predicted_where_plans_hold_them(budget
     options = [o for opts in profiled.chain for o in opts]
     assert {o.side for o in options} == {0, profiled.side_bytes}
     assert any(b["option"] != "plain" for b in plan.blocks)  # each such option holds it
-    assert "freed with the plain step's forward: 64.0 KiB" in plan.summary()
+    assert "freed with the plain step's forward (an attention mask): 64.0 KiB" in plan.summary()
     planned = plan.apply(copy.deepcopy(model))
 
     def step() -> None:

@@ -215,9 +215,8 @@ class Plan:
         side = self.solver.get("chain_costs", {}).get("side", 0)
         if side:
             lines.append(
-                f"  side inputs all blocks get (a mask, say), freed with the plain step's "
-                f"forward: {fmt_bytes(side)}, counted to the backward's end where a block holds "
-                "them"
+                f"  side inputs every block gets, freed with the plain step's forward (an "
+                f"attention mask): {fmt_bytes(side)}, counted where a block holds them"
             )
         lines.append("  blocks in forward order:")
         lines += [f"    {line}" for line in _block_runs(self.blocks, len(self.options) > 1, True)]
