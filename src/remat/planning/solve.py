@@ -502,10 +502,10 @@ def _side_solve(
     # at every block's backward and in the tail. That is exact where a graph-engine region
     # holds them, and where the peak falls at or after the backward of the first block that
     # holds them and not between the last block and the model's return (a final norm);
-    # elsewhere it is high by at most their bytes. Hugging
-    # Face GPT-2 and Llama pass a (batch, 1, seq, seq) float mask to every layer: 0.5 MiB at
-    # seq 256 and batch 2, by which every plan that recomputed a layer measured above its
-    # prediction before it was counted.
+    # elsewhere it is high by at most their bytes. Hugging Face GPT-2 and Llama pass a
+    # (batch, 1, seq, seq) float mask to every layer: 0.5 MiB at seq 256 and batch 2, by
+    # which every plan that recomputed a layer measured above its prediction before it was
+    # counted.
     #
     # The DP's state has no axis for what the blocks so far hold. The chain is solved once per
     # amount some option holds, and once for none: with the options that hold at most that
