@@ -37,7 +37,7 @@ def run_child(
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         check=False,
     )
-    tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+    tail = _tail(done.stderr)
     if done.returncode != 0:
         raise RematError(f"remat bench: {what} failed (exit {done.returncode}):\n{tail}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -45,6 +45,11 @@ def run_child(
         raise RematError(f"remat bench: {what} printed no result:\n{tail}")
     result: dict[str, Any] = json.loads(lines[-1])
     return result
+
+
+def _tail(output: str) -> str:
+    """The last lines of a child's output, for an error that says why it failed."""
+    return "\n".join(output.strip().splitlines()[-15:])
 
 
 class ForkServer:
@@ -112,13 +117,13 @@ class ForkServer:
         line = self.server.stdout.readline()
         if not line:
             with open(os.path.join(self.directory.name, "server.txt")) as f:
-                tail = "\n".join(f.read().strip().splitlines()[-15:])
+                tail = _tail(f.read())
             raise RematError(f"remat bench: {what} failed: its server process exited:\n{tail}")
         code = int(line)
         tail = ""
         if os.path.exists(output):
             with open(output) as f:
-                tail = "\n".join(f.read().strip().splitlines()[-15:])
+                tail = _tail(f.read())
         if code != 0:
             raise RematError(f"remat bench: {what} failed (exit {code}):\n{tail}")
         if not os.path.exists(result):

@@ -396,11 +396,11 @@ class PlainStep:
     # cache still holds the cast weights); at most ``head``.
     forward_head: int
     tail: int  # the peak after the first block's backward
-    seconds: float  # the median of ``samples``
     # ``head`` and ``forward_head`` from the last block's forward end on, past the tensors the
     # model's forward frees as it returns (see [ Side inputs ] in ``solve.py``).
-    head_after: int = 0
-    forward_head_after: int = 0
+    head_after: int
+    forward_head_after: int
+    seconds: float  # the median of ``samples``
     samples: list[float] = field(default_factory=list)  # seconds of each timed plain step
 
 

@@ -996,7 +996,7 @@ def profile_model(
 
 def _shared_side_bytes(side: list[dict[int, int]]) -> int:
     """The bytes of the side inputs (``profile.side_inputs``) that every block got, the same
-    storages in each; ``side`` holds each block's, address -> bytes."""
+    storages in each; ``side`` holds each block's, ``storage_key`` -> bytes."""
     if not side:
         return 0
     shared = set(side[0]).intersection(*side[1:])

@@ -91,7 +91,7 @@ class Blocks:
     # covers such followers (see [ Segments ] in ``solve.py``).
     chained: dict[str, str] = field(default_factory=dict)
     # Per block, its side inputs' storages (``side_inputs``) that the plain step frees by its
-    # forward's end: address -> bytes.
+    # forward's end: ``storage_key`` -> bytes.
     side: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
@@ -254,9 +254,10 @@ def capture(
             if path not in found.inputs:
                 _refuse_cache(path, module, args, kwargs)
                 for t in side_inputs((args, kwargs)):
-                    storage = t.untyped_storage()
-                    side.setdefault(storage.data_ptr(), storage)
-                    found.side.setdefault(path, {})[storage.data_ptr()] = storage.nbytes()
+                    key = storage_key(t)
+                    assert key is not None  # ``side_inputs`` takes plain storages only
+                    side.setdefault(key, t.untyped_storage())
+                    found.side.setdefault(path, {})[key] = t.untyped_storage().nbytes()
                 found.inputs[path] = pytree.tree_map_only(
                     torch.Tensor,
                     lambda t: t.detach().clone().requires_grad_(t.requires_grad),
@@ -300,8 +301,8 @@ def capture(
         handles.append(
             module.register_forward_hook(lambda m, a, out, path=path: returned(path, out))
         )
-    # The blocks' side inputs' storages by address, held to the step's end: no other tensor
-    # takes the address of one freed before, so two blocks got the same tensor where addresses
+    # The blocks' side inputs' storages by ``storage_key``, held to the step's end: no other
+    # storage takes the key of one freed before, so two blocks got the same tensor where keys
     # agree. Those the plain step still uses at its forward's end (an embedding saves the
     # position ids it read) are live in its backward whatever the blocks hold.
     side: dict[int, torch.UntypedStorage] = {}
@@ -481,17 +482,16 @@ def side_inputs(inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> list[torch.Te
     need no gradient (an attention mask, position ids), one per storage. A model's forward
     makes them once and passes them to every block; what a block holds of them for its
     backward lives as long as the block needs it, where a plain block may hold none. Only
-    plain tensors count: a subclass (a ``DTensor``) may have no storage to follow."""
+    tensors with a plain storage count (``storage_key``): a subclass (a ``DTensor``) may have
+    none to follow."""
     args, kwargs = inputs
-    seen: set[int] = set()
-    found = []
+    found: dict[int, torch.Tensor] = {}
     for t in pytree.tree_leaves((args[1:], kwargs)):
-        if type(t) is torch.Tensor and not t.requires_grad:
-            key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                found.append(t)
-    return found
+        if isinstance(t, torch.Tensor) and not t.requires_grad:
+            key = storage_key(t)
+            if key is not None:
+                found.setdefault(key, t)
+    return list(found.values())
 
 
 def used_elsewhere(storage: torch.UntypedStorage) -> bool:
