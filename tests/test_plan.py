@@ -415,13 +415,23 @@ def test_plan_file_round_trip(tmp_path: Any) -> None:
     path = tmp_path / "plan.json"
     plan.save(path)
     data = json.loads(path.read_text())
-    assert data["version"] == 1 and data["budget"] == plan.budget
+    assert data["version"] == 2 and data["budget"] == plan.budget
     assert data["solver"]["block"].startswith("HiGHS")
     tensors = [t for opts in data["options"].values() for o in opts for t in o["tensors"]]
     assert tensors and {"key", "bytes", "decision", "reason"} <= set(tensors[0])
     loaded = remat.Plan.load(path)
     assert loaded.to_json() == plan.to_json()
     assert loaded == plan
+
+    # A version-1 file (before options recorded side inputs) reads as holding none.
+    data["version"] = 1
+    for opts in data["options"].values():
+        for o in opts:
+            del o["side"]
+    old = remat.Plan.from_json(json.dumps(data))
+    assert old.version == 2
+    assert all(o.side == 0 for opts in old.options.values() for o in opts)
+    assert old.blocks == plan.blocks and old.predicted_peak == plan.predicted_peak
 
 
 def test_a_model_already_under_remat_is_refused_by_plan_and_apply() -> None:
@@ -454,8 +464,10 @@ def test_a_plan_refuses_another_model(tmp_path: Any) -> None:
     config = GPTConfig(vocab_size=32, seq_len=16, d_model=24, n_heads=2, n_layers=3, dropout=0.1)
     with pytest.raises(remat.RematError, match="another model: expected parameter"):
         plan.apply(GPT(config))
-    with pytest.raises(remat.RematError, match="version 1"):
+    with pytest.raises(remat.RematError, match="found 99; it was written by a newer remat"):
         remat.Plan.from_json(json.dumps({"version": 99}))
+    with pytest.raises(remat.RematError, match="version 1 or 2, found 'x'; plan again"):
+        remat.Plan.from_json(json.dumps({"version": "x"}))
     with pytest.raises(remat.RematError, match="must be JSON"):
         remat.Plan.from_json("not json")
 

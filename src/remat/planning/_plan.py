@@ -30,7 +30,10 @@ from .apply import (
 
 __all__ = ["Plan"]
 
-VERSION = 1
+# 2: options record the side inputs they hold (``Option.side``). A version-1 file reads as
+# holding none, which is what its plan predicted with.
+VERSION = 2
+_READABLE = (1, 2)
 
 
 @dataclass
@@ -276,12 +279,19 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise RematError(f"remat: a plan file must be JSON, but reading it failed: {e}.") from e
-        if not isinstance(data, dict) or data.get("version") != VERSION:
-            found = data.get("version") if isinstance(data, dict) else type(data).__name__
+        found = data.get("version") if isinstance(data, dict) else type(data).__name__
+        if found not in _READABLE:
+            newer = isinstance(found, int) and found > VERSION
             raise RematError(
-                f"remat: expected a plan file of version {VERSION}, found {found!r}; plan again "
-                "with this version of remat."
+                f"remat: expected a plan file of version {' or '.join(map(str, _READABLE))}, "
+                f"found {found!r}; "
+                + (
+                    "it was written by a newer remat: upgrade remat or plan again."
+                    if newer
+                    else "plan again with this version of remat."
+                )
             )
+        data["version"] = VERSION  # what it reads as: the fields added since have defaults
         try:
             data["options"] = {k: [Option(**o) for o in v] for k, v in data["options"].items()}
             return cls(**data)
