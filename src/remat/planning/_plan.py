@@ -280,8 +280,8 @@ class Plan:
         except json.JSONDecodeError as e:
             raise RematError(f"remat: a plan file must be JSON, but reading it failed: {e}.") from e
         found = data.get("version") if isinstance(data, dict) else type(data).__name__
-        if found not in _READABLE:
-            newer = isinstance(found, int) and found > VERSION
+        if type(found) is not int or found not in _READABLE:  # a bool is no version
+            newer = type(found) is int and found > VERSION
             raise RematError(
                 f"remat: expected a plan file of version {' or '.join(map(str, _READABLE))}, "
                 f"found {found!r}; "
