@@ -319,6 +319,28 @@ def test_modified_in_place_after_saving_raises(host: HostTier) -> None:
         y.sum().backward()
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_saved_tensor_written_in_place_then_dropped_still_raises(
+    host: HostTier, tier: str
+) -> None:
+    """The user's last reference goes before backward: the write is still seen (the store
+    holds a witness of the tensor's version counter, not the tensor), and the witness keeps
+    none of the tensor's memory. Before, backward read what the tier had written, racing the
+    write: other gradients from run to run."""
+    a = torch.randn(64, 64, requires_grad=True)
+    with remat.offload(tier, min_bytes=0):
+        t = a.sigmoid()  # saves its output
+    storage = weakref.ref(t.untyped_storage())
+    t[0].mul_(2)  # through a view: the version counter is shared
+    loss = t.sum()
+    del t
+    gc.collect()
+    if tier == "disk":  # written at the block's end (the host tier lets go of it lazily)
+        assert storage() is None  # nothing held the tensor's memory
+    with pytest.raises(remat.RematError, match=r"modified in place after it was saved: its ver"):
+        loss.backward()
+
+
 def test_graph_engine_offloaded_output_then_written_in_place_is_exact(host: HostTier) -> None:
     w = torch.randn(8, 8, requires_grad=True)
 

@@ -11,9 +11,13 @@ everything a block saves, or as a region input with ``offload_to_cpu``) goes thr
    views of one storage. Autograd holds a ``Saved`` that knows the tensor's dtype, shape,
    strides and offset into the storage.
 2. Forward goes on; the tier copies or writes in the background. The ``Saved`` remembers
-   ``t``'s version and holds ``t`` weakly: if ``t`` is still alive in backward and was
-   written in place since, unpacking raises, as autograd does for a saved tensor modified in
-   place (saved-tensor hooks switch autograd's own check off).
+   ``t``'s version and holds a *witness* of it (``_witness``): a tensor with no storage that
+   shares ``t``'s version counter, so it sees every in-place write to ``t`` or a view of it,
+   even after the user dropped ``t``. If the version moved, unpacking raises, as autograd
+   does for a saved tensor modified in place (saved-tensor hooks switch autograd's own check
+   off). Holding ``t`` weakly instead, as this once did, missed a write followed by ``del``:
+   backward then read the bytes the tier had written, the old value or half of each, as the
+   race with the background write fell.
 3. At the end of an offload scope (``remat.offload`` block, graph-engine region) the store
    flushes the tier: a write that failed (a full disk) raises there, in forward, before
    backward has touched any gradient.
@@ -86,7 +90,7 @@ class Saved:
         self.stride = t.stride()
         self.offset = t.storage_offset()
         self.version = version
-        self.original = weakref.ref(t) if check else None
+        self.original = _witness(t) if check else None
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -96,6 +100,18 @@ class Saved:
         store = getattr(self, "store", None)
         if store is not None:
             store.release(self.stored)
+
+
+def _witness(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares ``t``'s version counter and holds none of its memory: ``detach``
+    shares the counter, and ``set_`` below the in-place-or-view kernel (which counts writes)
+    drops the storage without counting a write. See Step 2 of NOTE [ Life of an offloaded
+    tensor ]."""
+    with _disable_current_modes(), torch.no_grad():
+        witness = t.detach()
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            witness.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage())
+    return witness
 
 
 class Store:
@@ -186,7 +202,7 @@ class Store:
         return forget
 
     def unpack(self, saved: Saved) -> torch.Tensor:
-        original = saved.original() if saved.original is not None else None
+        original = saved.original
         if original is not None and original._version != saved.version:
             raise RematError(
                 "remat: a tensor saved for backward (and offloaded to the "
