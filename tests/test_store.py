@@ -798,6 +798,30 @@ def test_views_of_parameters_stay_in_place_and_only_activations_are_written(
         assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("how", ["offload_everything", "save_everything in remat.offload"])
+def test_a_graph_region_writes_no_view_of_a_parameter(disk: remat.store.DiskTier, how: str) -> None:
+    """As above, through a graph-engine region: a policy that offloads every op (or a region
+    that keeps every op inside a ``remat.offload`` block) writes the two activations, not the
+    weights' ``t()`` views (it wrote them on every step before)."""
+    model, x = _mlp()
+    plain = copy.deepcopy(model)
+    if how == "offload_everything":
+        with remat.region(policy=remat.policies.offload_everything("disk")):
+            out = model(x)
+    else:
+        with (
+            remat.offload("disk", min_bytes=0),
+            remat.region(policy=remat.policies.save_everything),
+        ):
+            out = model(x)
+    out.pow(2).sum().backward()
+    assert disk.stats.bytes_written == (8 * 32 + 8 * 16) * 4
+    assert disk.stats.files_written == 2
+    plain(x).pow(2).sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+
+
 def test_buffers_stay_in_place_and_only_activations_are_written(
     disk: remat.store.DiskTier,
 ) -> None:

@@ -113,7 +113,7 @@ from .policies import (
 )
 from .policies import check as check_policy
 from .store._store import Saved, Store
-from .store.scope import drain, store_for
+from .store.scope import drain, outlives_the_step, store_for
 
 if TYPE_CHECKING:
     from .checkpoint import SavedInputs
@@ -394,6 +394,9 @@ class Graph(Replay):
         if not isinstance(held, _Held):
             return
         t = held.tensor
+        root = held.source() if held.source is not None else None
+        if root is not None and outlives_the_step(root):
+            return  # a view of a parameter (``weight.t()``) or an input: a tier only copies it
         scope = _state.state.offload
         if node.decision.offload is not None:
             store = store_for(node.decision.offload)
