@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -250,6 +251,42 @@ def test_empty_tensors_stay_where_they_are(host: HostTier) -> None:
         out = body(x)
     assert host.stats.copies_out == 1  # h only
     assert torch.equal(torch.autograd.grad(out, x)[0], plain)
+
+
+def test_prefetch_is_the_blocks_own() -> None:
+    """``remat.offload(prefetch=0)`` reads nothing ahead for what its block stored, and a
+    later block on the same tier, with no ``prefetch``, reads ahead as the store does (2): the
+    first block's setting once stayed on the tier's store for every block after it."""
+    tier = Recording()
+    x = torch.randn(64, requires_grad=True)
+    store = remat.store.scope.store_for(tier)  # the one store, held across both blocks
+    for prefetch in (0, None):
+        with remat.offload(tier, min_bytes=0, prefetch=prefetch):
+            y = x
+            for _ in range(3):
+                y = y.exp()
+        tier.log.clear()
+        y.sum().backward()
+        fetched = [op for op, _ in tier.log if op == "prefetch"]
+        assert len(fetched) == (0 if prefetch == 0 else 3)  # 2 ahead of the last, 1 of the next
+    assert store.prefetch == 2
+
+
+def test_a_tier_made_for_a_step_is_collected_and_closed(tmp_path: Any) -> None:
+    """The store of a tier is held while something it stored is: a ``DiskTier`` made for one
+    step goes with the step, and its directory with it, closed on the closer thread (every one
+    stayed open before)."""
+    model, x = _mlp()
+    refs = []
+    for _ in range(3):
+        tier = remat.store.DiskTier(tmp_path)
+        refs.append(weakref.ref(tier))
+        with remat.store.tiers(disk=tier), remat.offload("disk", min_bytes=0):
+            loss = model(x).sum()
+        loss.backward()
+        del tier, loss
+    assert [r() for r in refs] == [None, None, None]  # no gc.collect(): no cycles either
+    wait_for(lambda: not any((tmp_path / f"remat-offload-{os.getuid()}").iterdir()))
 
 
 def test_views_of_one_storage_are_stored_once_and_come_back_as_views() -> None:

@@ -406,9 +406,10 @@ class Graph(Replay):
             store = scope.store
         else:
             return
+        prefetch = scope.prefetch if scope is not None and store is scope.store else None
         # ``t`` holds the value it had when recorded: copy-on-write (``_before_write``) gave
         # it its own storage if anything wrote it since.
-        saved = store.pack(t, check_version=False)
+        saved = store.pack(t, check_version=False, prefetch=prefetch)
         self.stores.add(store)
         node.kept[ref.key] = saved
         holders = self.held.get(_storage(t) or -1, [])

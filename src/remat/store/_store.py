@@ -55,6 +55,7 @@ class _Stored:
         "device",
         "key",
         "nbytes",
+        "prefetch",
         "serial",
         "ticket",
         "users",
@@ -62,9 +63,17 @@ class _Stored:
     )
 
     def __init__(
-        self, serial: int, ticket: Ticket, nbytes: int, device: torch.device, version: int
+        self,
+        serial: int,
+        ticket: Ticket,
+        nbytes: int,
+        device: torch.device,
+        version: int,
+        prefetch: int | None,
     ) -> None:
         self.key = 0  # the source storage's address, while it is alive
+        # Storages to read ahead when this one is unpacked; None: the store's ``prefetch``.
+        self.prefetch = prefetch
         self.serial = serial
         self.ticket = ticket
         self.nbytes = nbytes
@@ -148,12 +157,18 @@ class Store:
         return self._tier_takes is None or bool(self._tier_takes(t.device))
 
     def pack(
-        self, t: torch.Tensor, *, check_version: bool = True, version: int | None = None
+        self,
+        t: torch.Tensor,
+        *,
+        check_version: bool = True,
+        version: int | None = None,
+        prefetch: int | None = None,
     ) -> Saved:
         """Store ``t``; with ``check_version``, unpacking raises if ``t`` was written in place
         since (Step 2); without, the stored value is a snapshot, as for the graph engine.
         ``version`` is the version ``t``'s value has, when autograd has yet to count a write
-        that already happened (an in-place op seen from inside the dispatcher)."""
+        that already happened (an in-place op seen from inside the dispatcher). ``prefetch``:
+        the storages to read ahead when ``t`` comes back (default: the store's)."""
         storage = t.untyped_storage()
         key = storage._cdata
         version = t._version if version is None else version
@@ -162,13 +177,19 @@ class Store:
             if live is not None and live[0]() is storage and live[1].version == version:
                 stored = live[1]
             else:
-                stored = self._put(storage, t.device, version)
+                stored = self._put(storage, t.device, version, prefetch)
                 stored.key = key
                 self._live[key] = (weakref.ref(storage, self._forget_storage(key)), stored)
             stored.users += 1
         return Saved(self, stored, t, check_version, version)
 
-    def _put(self, storage: torch.UntypedStorage, device: torch.device, version: int) -> _Stored:
+    def _put(
+        self,
+        storage: torch.UntypedStorage,
+        device: torch.device,
+        version: int,
+        prefetch: int | None,
+    ) -> _Stored:
         # The store's own ops are not the model's: dispatch modes (a graph recording, the
         # tracker, explain) must not see them.
         with _disable_current_modes():
@@ -181,7 +202,7 @@ class Store:
             self._live.clear()  # an earlier write failed: share no stored bytes from before
             raise
         self._serial += 1
-        stored = _Stored(self._serial, ticket, storage.nbytes(), device, version)
+        stored = _Stored(self._serial, ticket, storage.nbytes(), device, version, prefetch)
         self._order.append(stored)
         self.stored_bytes += stored.nbytes
         return stored
@@ -223,10 +244,11 @@ class Store:
         return out.set_(storage, saved.offset, saved.shape, saved.stride)
 
     def _prefetch_before(self, stored: _Stored) -> None:
-        if not self.prefetch:
+        ahead = self.prefetch if stored.prefetch is None else stored.prefetch
+        if not ahead:
             return
         i = self._position(stored)
-        for earlier in reversed(self._order[max(0, i - self.prefetch) : i]):
+        for earlier in reversed(self._order[max(0, i - ahead) : i]):
             if earlier.back is None or earlier.back() is None:
                 self.tier.prefetch(earlier.ticket, earlier.device)
 

@@ -36,7 +36,9 @@ class _Chosen(threading.local):
 
 _chosen = _Chosen()
 _defaults: dict[str, Tier] = {}
-_stores: dict[int, Store] = {}
+# Weakly: a store lives while something it stored does (a ``Saved`` holds it) or its user
+# holds it, and then lets its tier go, so a tier made for one step is collected and closed.
+_stores: weakref.WeakValueDictionary[int, Store] = weakref.WeakValueDictionary()
 _lock = threading.Lock()
 
 
@@ -112,11 +114,12 @@ class Scope:
     """An active ``remat.offload`` block: its store, the smallest tensor it moves, and the
     storages of the buffers of every module called in it (see :meth:`outlives`)."""
 
-    __slots__ = ("buffers", "min_bytes", "store")
+    __slots__ = ("buffers", "min_bytes", "prefetch", "store")
 
-    def __init__(self, store: Store, min_bytes: int) -> None:
+    def __init__(self, store: Store, min_bytes: int, prefetch: int | None = None) -> None:
         self.store = store
         self.min_bytes = min_bytes
+        self.prefetch = prefetch  # for what this block stores; None: the store's
         # storage key -> the storage, weakly: buffers of modules called in the block
         self.buffers: dict[int, weakref.ref[torch.UntypedStorage]] = {}
 
@@ -169,8 +172,9 @@ def offload(
 
     Every tensor autograd saves inside the block, of at least ``min_bytes``, goes to the tier
     (``"host"``: pinned host memory, for accelerator tensors; ``"disk"``: files in a private
-    directory, for any tensor) and is brought back in backward, ``prefetch`` tensors ahead.
-    What outlives the step is left alone, since moving it frees nothing: parameters, leaves
+    directory, for any tensor) and is brought back in backward, ``prefetch`` tensors ahead
+    (default 2; the setting holds for what this block stores, not for later blocks). What
+    outlives the step is left alone, since moving it frees nothing: parameters, leaves
     that require grad, the buffers of the modules called in the block, and views of any of
     these (``nn.Linear`` saves ``weight.t()``); so are CPU tensors under the host tier, which
     are in host memory already. Inside checkpointed
@@ -201,9 +205,7 @@ def offload(
 @contextlib.contextmanager
 def _offload_block(tier: TierName | Tier, min_bytes: int, prefetch: int | None) -> Iterator[None]:
     store = store_for(tier_named(tier) if isinstance(tier, str) else tier)
-    if prefetch is not None:
-        store.prefetch = prefetch
-    scope = Scope(store, min_bytes)
+    scope = Scope(store, min_bytes, prefetch)
     previous = _state.state.offload
     _state.state.offload = scope
     # Every module called in the block, on this thread, tells the scope its buffers.
@@ -236,7 +238,7 @@ def _packer(scope: Scope) -> Any:
             return t
         if observer is not None:
             observer.saved(t, "offload", f"{scope.store.tier.name} tier")
-        return scope.store.pack(t)
+        return scope.store.pack(t, prefetch=scope.prefetch)
 
     return pack
 
