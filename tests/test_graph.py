@@ -421,6 +421,25 @@ def test_random_ops_replay_bit_for_bit() -> None:
     assert ops["rand"] == 1 and ops["randn"] == 1 and ops["rand_like"] == 1
 
 
+@pytest.mark.parametrize(
+    "policy", [policies.recompute_everything, policies.save_matmuls], ids=["all", "mm"]
+)
+def test_an_argument_written_without_autograd_counting_it_replays_as_written(
+    policy: Any,
+) -> None:
+    """``rrelu_with_noise`` fills its ``noise`` argument, a functional op's write that leaves
+    the version counter as it was, after autograd saved ``noise`` for the op's backward. The
+    saved noise is the value as written: replayed from the rrelu, not from the ``empty_like``
+    that made the tensor (which gave gradients of uninitialised memory)."""
+    w = _leaf(8, 8)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rrelu(x @ w, training=True).exp().sum()
+
+    ops = run_both(fn, _leaf(4, 8), w, policy=policy)
+    assert ops["rrelu_with_noise"] == 1 and ops["empty_like"] == 0
+
+
 def test_blank_results_replay_as_fresh_tensors_with_the_recorded_layout() -> None:
     # Dropout's mask starts as empty_like(x), filled in place by bernoulli_. The replay makes
     # the blank tensor directly, with the layout empty_like gave it (here a transposed one,
@@ -1106,6 +1125,23 @@ def test_argument_layouts_follow_the_schemas() -> None:
     # A generic or opaque argument type: every argument is searched for tensors.
     assert op_info(aten.add.t).layout is None
     assert op_info(aten.set_.source_Storage).layout is None
+
+
+def test_which_writes_autograd_counts_follows_the_schemas() -> None:
+    """In-place and ``out=`` variants bump the written tensors' version counters; a functional
+    op that writes an argument does not (checked against the counters themselves)."""
+    from remat._aten import op_info
+
+    aten = torch.ops.aten
+    x, noise, out = torch.randn(3, 4), torch.empty(3, 4), torch.empty(3, 4)
+    x.mul_(2)
+    torch.add(x, 1, out=out)
+    aten.rrelu_with_noise.default(x, noise, 0.1, 0.3, True)
+    assert (x._version, out._version, noise._version) == (1, 1, 0)
+    assert op_info(aten.mul_.Tensor).counted and op_info(aten.add.out).counted
+    assert not op_info(aten.rrelu_with_noise.default).counted
+    assert not op_info(aten.native_batch_norm.default).counted
+    assert not op_info(aten.exp.default).counted  # writes nothing
 
 
 def _views_cat_index_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

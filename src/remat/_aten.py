@@ -47,6 +47,11 @@ class OpInfo:
 
     # (position, name) of every argument the operator may write.
     writes: tuple[tuple[int, str], ...]
+    # Whether autograd counts the writes (bumps the written tensors' version counters once the
+    # op returns): true for in-place (``mul_``) and ``out=`` variants; false for a functional
+    # op that writes an argument (``rrelu_with_noise`` fills its ``noise``; the batch-norm
+    # kernels update their running statistics), whose written tensors keep their version.
+    counted: bool
     # For each result, whether it is a new tensor (not an alias of an argument).
     fresh: tuple[bool, ...]
     any_fresh: bool
@@ -96,7 +101,10 @@ def _read_schema(op: torch._ops.OpOverload) -> OpInfo:
     fresh = tuple(ret.alias_info is None or fresh_alias for ret in schema.returns)
     aliased = [i for i, arg in enumerate(schema.arguments) if arg.alias_info is not None]
     view_of = aliased[0] if not writes and fresh and not any(fresh) and len(aliased) == 1 else None
-    return OpInfo(writes, fresh, any(fresh), view_of, _layout(schema), op)
+    counted = bool(writes) and (
+        schema.name.endswith("_") or any(schema.arguments[i].is_out for i, _ in writes)
+    )
+    return OpInfo(writes, counted, fresh, any(fresh), view_of, _layout(schema), op)
 
 
 # Schema types whose values hold no tensor: ``int`` stands for ScalarType, Layout and

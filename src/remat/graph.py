@@ -15,7 +15,10 @@ A tensor seen in forward is identified by its TensorImpl and its version counter
 1. an op's new result gets a reference ``Ref(node, k)`` at the version it was created with;
 2. an op that writes a tensor in place (``bernoulli_``, ``div_``, ``out=``) produces a new
    state of it: the tensor's reference becomes ``Ref(write_node, ("w", position))`` at the new
-   version, and the write node takes the old state as its argument;
+   version, and the write node takes the old state as its argument. A functional op that
+   writes an argument (``rrelu_with_noise`` fills ``noise``) leaves its version counter as
+   it was, and autograd saved that argument before the write: the new state takes the same
+   version, and what was saved of the old state is the new one (``_written_unseen``);
 3. a tensor read at another version than the one its reference was made at (it was written
    through a view or another alias since) is *stale*: it cannot be rebuilt from its reference,
    so it is held as it is, and copied before any later write to its storage reaches it;
@@ -278,10 +281,11 @@ class Graph(Replay):
                     node.kept[0] = self.hold(out.detach(), source, version)
                 return out
             if facts.in_place and out is args[0]:  # ``x.div_(2)`` returns ``x``: written
-                self._bind(out, (index, 0), node, True, keep)  # (see below)
+                self._bind(out, (index, 0), node, True, keep, counted=facts.counted)  # (below)
                 return out
-        # Autograd bumps the version of each written tensor after this returns: bind the
-        # written states at the version they will have when the next op reads them.
+        # Autograd bumps the version of each written tensor after this returns (where it counts
+        # the op's writes): bind the written states at the version they will have when the
+        # next op reads them.
         written = {
             _key(t): position
             for position, name in facts.writes
@@ -294,21 +298,32 @@ class Graph(Replay):
         for k, result in enumerate(results):
             if isinstance(result, torch.Tensor):
                 was_written = written.pop(result._cdata, None) is not None
-                self._bind(result, (index, k), node, was_written, keep, base)
+                self._bind(result, (index, k), node, was_written, keep, base, facts.counted)
             elif isinstance(result, (tuple, list)):
                 for j, t in enumerate(result):
                     if isinstance(t, torch.Tensor):
                         key = (index, ("l", k, j))
-                        self._bind(t, key, node, t._cdata in written, keep, base)
+                        self._bind(t, key, node, t._cdata in written, keep, base, facts.counted)
         for position, name in facts.writes if written else ():
             target = args[position] if position < len(args) else kwargs.get(name)
-            if (
-                isinstance(target, torch.Tensor)
-                and target._cdata in written
-                and self.lookup(target) is not None
-            ):
-                self._bind(target, (index, ("w", position)), node, True, keep)
+            if isinstance(target, torch.Tensor) and target._cdata in written:
+                before = self.lookup(target)
+                if before is None:
+                    continue
+                self._bind(target, (index, ("w", position)), node, True, keep, None, facts.counted)
+                if not facts.counted:
+                    self._written_unseen(before.ref, _new_ref((index, ("w", position))))
         return out
+
+    def _written_unseen(self, before: Ref | _Input, after: Ref) -> None:
+        """An op wrote a tensor without autograd counting the write (``rrelu_with_noise``
+        fills its ``noise`` argument), after autograd had saved that tensor for the op's
+        backward: the saved tensor keeps its version, and a plain backward reads the value as
+        written. What was saved of the state before the write is the state after it."""
+        for weak in self.packed:
+            packed = weak()
+            if packed is not None and packed.ref == before:
+                packed.ref = after
 
     def _special(
         self,
@@ -375,12 +390,14 @@ class Graph(Replay):
         written: bool,
         keep: bool,
         base: torch.Tensor | None = None,
+        counted: bool = True,
     ) -> None:
         """Make ``t`` known as ``key``; ``base``: the argument it is a view of, whose version
-        counter it shares once the op returns ([ Replay identity ] 7)."""
+        counter it shares once the op returns ([ Replay identity ] 7); ``counted``: whether
+        autograd counts the op's writes (``OpInfo.counted``)."""
         ref = _new_ref(key)
         source, version = _source(t if base is None or written else base)
-        version += written
+        version += written and counted
         self.current[t._cdata] = _new_entry((ref, version, weakref.ref(t)))
         if keep:
             node.kept[ref.key] = self.hold(t.detach(), source, version)
@@ -577,6 +594,7 @@ class _OpFacts(NamedTuple):
     must_save: str | None
     special: bool  # metadata_only or writes: recorded by ``Graph._special``
     in_place: bool  # writes its first argument only (``div_``)
+    counted: bool  # autograd counts its writes (see ``OpInfo.counted``)
     layout: ArgLayout | None
     # The position of the argument that the op's results are views of (``t``, ``view``,
     # ``split``), for an op that writes nothing; see [ Replay identity ] 7.
@@ -600,6 +618,7 @@ def _learn(func: torch._ops.OpOverload) -> _OpFacts:
         must_save=must_save_reason(func),
         special=metadata_only or bool(writes),
         in_place=len(writes) == 1 and writes[0][0] == 0,
+        counted=info.counted,
         layout=info.layout,
         view_of=info.view_of,
     )
