@@ -440,6 +440,31 @@ def test_an_argument_written_without_autograd_counting_it_replays_as_written(
     assert ops["rrelu_with_noise"] == 1 and ops["empty_like"] == 0
 
 
+@pytest.mark.parametrize(
+    "policy", [policies.recompute_everything, policies.save_matmuls], ids=["all", "mm"]
+)
+@pytest.mark.parametrize("alias", ["data", "detach"])
+def test_a_result_written_through_data_replays_as_written(policy: Any, alias: str) -> None:
+    """``h.data`` has a version counter of its own: a write through it leaves ``h``'s where it
+    was, and a plain run reads ``h`` as written, in forward and where ``mul`` saved ``h``
+    before the write. Those reads hold ``h`` as it is, rather than replaying ``mm`` (the value
+    before the write). ``h.detach()`` shares the counter, so a later read is a stale one."""
+    w, v = _leaf(8, 8), _leaf(4, 8)
+
+    def fn(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        a = h.exp()  # reads h before the write: replays from mm
+        if alias == "data":
+            b = h * v  # saves h before the write; its backward reads h as written
+            h.data.clamp_(-1, 1)
+        else:
+            b = v.sin()
+            h.detach().clamp_(-1, 1)
+        return (a.sum() + (h * 2).exp().sum() + b.sum()) / 64
+
+    run_both(fn, _leaf(4, 8), w, v, policy=policy)
+
+
 def test_blank_results_replay_as_fresh_tensors_with_the_recorded_layout() -> None:
     # Dropout's mask starts as empty_like(x), filled in place by bernoulli_. The replay makes
     # the blank tensor directly, with the layout empty_like gave it (here a transposed one,

@@ -153,6 +153,9 @@ class Graph(Replay):
         # TensorImpl address of an external -> its storage's key, found when a write needs it
         self.external_storages: dict[int, int | None] = {}
         self._refs: list[Ref] = []
+        # Results written through an alias that may not share their version counter (see
+        # ``_aliases_of``), checked at the next op, pack or exit.
+        self.unseen: list[tuple[int, _Entry]] = []
         self.inputs_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self.rng_after: dict[int, dict[int, list[tuple[Any, torch.Tensor | None]]]] = {}
         self.alive_uses: tuple[int, dict[Ref, int]] | None = None
@@ -201,6 +204,8 @@ class Graph(Replay):
     def record(
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if self.unseen:
+            self._unseen_writes()
         facts = _FACTS.get(id(func)) or _learn(func)
         refs: list[Ref] = []
         self._refs = refs  # ``arg`` adds the references it makes here
@@ -358,11 +363,45 @@ class Graph(Replay):
                         node_args = (*node_args[:position], snapshot, *node_args[position + 1 :])
                     else:
                         node_kwargs = {**node_kwargs, name: snapshot}
-                elif self.held:
-                    self._before_write(target)
+                else:
+                    if self.held:
+                        self._before_write(target)
+                    if type(recorded) is Ref and self.nodes[recorded.node].op is _DETACH:
+                        self._aliases_of(target)
                 if self.externals:
                     self._snapshot_aliases(target)
         return node_args, node_kwargs
+
+    def _aliases_of(self, target: torch.Tensor) -> None:
+        """``target``, a ``detach`` result, is about to be written: the results of the region
+        on its storage whose version counters it may not share (``h.data`` has its own, where
+        ``h.detach()`` shares ``h``'s). Which do shows once the write is counted, at the next
+        op: see ``_unseen_writes``."""
+        storage = _storage(target)
+        if storage is None:
+            return
+        for cdata, entry in self.current.items():
+            t = entry.tensor()
+            if t is not None and t is not target and type(entry.ref) is Ref:
+                if t._version == entry.version and _storage(t) == storage:
+                    self.unseen.append((cdata, entry))
+
+    def _unseen_writes(self) -> None:
+        """The results noted by ``_aliases_of`` whose version did not move with the write:
+        ``h.data.clamp_(-1, 1)`` wrote ``h`` unseen by its counter. Their records would replay
+        the value before the write, where a plain run reads it as written: they are no longer
+        known from here on (a later read holds the tensor as it is, [ Replay identity ] 4),
+        and what was saved of them is held as it is."""
+        unseen, self.unseen = self.unseen, []
+        for cdata, entry in unseen:
+            t = entry.tensor()
+            if t is None or self.current.get(cdata) is not entry or t._version != entry.version:
+                continue  # gone, or its counter moved: [ Replay identity ] 3 holds it
+            del self.current[cdata]
+            for weak in self.packed:
+                packed = weak()
+                if packed is not None and packed.ref == entry.ref:
+                    packed.ref = self.hold(t.detach(), *_source(t))
 
     def _snapshot_aliases(self, target: torch.Tensor) -> None:
         """Earlier reads of other tensors on the storage ``target`` is about to write (a
@@ -508,6 +547,8 @@ class Graph(Replay):
     # -- packing -------------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> _Packed:
+        if self.unseen:
+            self._unseen_writes()
         entry = self.current.get(t._cdata)
         if entry is not None and entry.version == t._version and entry.tensor() is t:
             known = entry.ref
@@ -541,6 +582,8 @@ class Graph(Replay):
 
     def finish(self) -> None:
         """Region exit: drop kept results that no saved tensor can reach."""
+        if self.unseen:
+            self._unseen_writes()
         slots = list(self._alive_refs())
         alive = set(slots)
         cone, kept = self._cone(alive)
@@ -637,6 +680,7 @@ def _source(t: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], int]:
 _new_ref = functools.partial(tuple.__new__, Ref)  # Ref(node, key) without NamedTuple.__new__
 # ``Decision.recompute`` without its property call, on the per-op path.
 _PREFER_RECOMPUTE, _MUST_RECOMPUTE = Decision.PREFER_RECOMPUTE, Decision.MUST_RECOMPUTE
+_DETACH = torch.ops.aten.detach.default  # what ``.data`` and ``.detach()`` record
 _new_entry = functools.partial(tuple.__new__, _Entry)
 
 
