@@ -382,9 +382,14 @@ class Graph(Replay):
             return
         for cdata, entry in self.current.items():
             t = entry.tensor()
-            if t is not None and t is not target and type(entry.ref) is Ref:
-                if t._version == entry.version and _storage(t) == storage:
-                    self.unseen.append((cdata, entry))
+            if (
+                t is not None
+                and t is not target
+                and type(entry.ref) is Ref
+                and t._version == entry.version
+                and _storage(t) == storage
+            ):
+                self.unseen.append((cdata, entry))
 
     def _unseen_writes(self) -> None:
         """The results noted by ``_aliases_of`` whose version did not move with the write:
