@@ -284,6 +284,44 @@ def test_state_dict_round_trip(tmp_path: Path) -> None:
 # -- files, failures, lifetimes --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("offload_device", ["disk", "cpu"])
+def test_a_forward_without_backward_frees_its_activations(
+    tmp_path: Path, offload_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evaluation loop run with grad enabled (or a loss that is skipped): each forward's
+    pass, with its stored activations, goes with its output, without ``gc.collect()``. The
+    saved-tensor hooks of a kept slice once held the pass, a cycle through autograd's C++
+    graph that no collection could break: every such forward stayed, files and all."""
+    from remat.offload_model import _autograd
+
+    passes: list[weakref.ref[Any]] = []
+    init = _autograd.Pass.__init__
+
+    def noted(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        passes.append(weakref.ref(self))
+
+    monkeypatch.setattr(_autograd.Pass, "__init__", noted)
+    model = offload(
+        gpt_modules(GPT.model(0)),
+        tmp_path,
+        offload_device=offload_device,
+        checkpoint_activation=False,
+    )
+    x, _ = gpt_batch(2)
+    before = len(files_in(tmp_path))
+    gc.disable()
+    try:
+        for _ in range(3):
+            out = model(x)
+            assert out.grad_fn is not None
+            del out
+        assert len(passes) == 3 and all(p() is None for p in passes)
+    finally:
+        gc.enable()
+    assert len(files_in(tmp_path)) == before
+
+
 def test_no_files_left_after_close_and_after_collection(tmp_path: Path) -> None:
     """A step writes parameters, boundaries, gradients and optimizer state; ``close()`` removes
     them all, and a model that is just dropped is freed without ``gc.collect()`` and its files

@@ -143,6 +143,11 @@ class Pass:
     def _forward_kept(self, sl: Slice, xm: torch.Tensor, input_grad: bool) -> torch.Tensor:
         storages = list(sl.storages())
         index = {ptr: i for i, ptr in enumerate(storages)}
+        # The hooks live in the saved variables of the graph that ``self.kept`` holds edges
+        # of: a hook that held ``self`` would close a cycle through autograd's C++ nodes,
+        # which the garbage collector cannot see, and a forward never followed by a backward
+        # would never be freed.
+        place = self.place
 
         def pack(t: torch.Tensor) -> Any:
             ptr = t.untyped_storage().data_ptr()
@@ -150,7 +155,7 @@ class Pass:
                 return _ParamView(
                     index[ptr], t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
                 )
-            return (self.place.store([t]), t.device)
+            return (place.store([t]), t.device)
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, _ParamView):
