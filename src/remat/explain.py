@@ -485,6 +485,10 @@ def explain(
             stack.enter_context(producers)
             out = model_or_fn(*inputs, **kwargs)
         explainer.settle()  # while ``out`` keeps the autograd graph, and so the records, alive
+        # The hook in each saved variable holds the explainer: were the graph-engine records
+        # still reachable from it, they would hold the graph in a cycle through autograd's C++
+        # nodes, and what the regions offloaded would stay, files and all.
+        explainer.graph_rows.clear()
         del out
     finally:
         _state.state.observer = None
