@@ -565,6 +565,9 @@ def test_loads_follow_stores_on_the_lane() -> None:
         (lambda: HostTier(max_cached_bytes=-1), r"HostTier expected max_cached_bytes to be an"),
         (lambda: Store(Recording(), prefetch=-1), r"expected prefetch to be an int >= 0"),  # type: ignore[arg-type]
         (lambda: Store("disk"), r"Store expected tier to be a tier .* lacks put, prefetch"),  # type: ignore[arg-type]
+        # The class, not a tier: its methods are there, unbound (it failed at the first put).
+        (lambda: remat.offload(remat.store.DiskTier), r"found type <class 'remat\.store\.disk"),  # type: ignore[arg-type]
+        (lambda: Store(remat.store.DiskTier), r"found the class DiskTier; make one: DiskTier\(\)"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_input_raises_when_given(call: Callable[[], Any], message: str) -> None:

@@ -21,12 +21,18 @@ TIER_METHODS = ("put", "prefetch", "get", "drop", "flush")
 
 
 def is_tier(obj: object) -> bool:
-    """Whether *obj* has the methods the store calls on a tier (``_tier.Tier``)."""
-    return all(callable(getattr(obj, m, None)) for m in TIER_METHODS)
+    """Whether *obj* has the methods the store calls on a tier (``_tier.Tier``): an instance,
+    not the class (``DiskTier`` rather than ``DiskTier()`` has them all, unbound)."""
+    return not isinstance(obj, type) and all(callable(getattr(obj, m, None)) for m in TIER_METHODS)
 
 
 def check_tier(owner: str, name: str, value: Any, example: str) -> None:
     if not is_tier(value):
+        if isinstance(value, type):
+            raise RematError(
+                f"remat: {owner} expected {name} to be a tier object, found the class "
+                f"{value.__name__}; make one: {value.__name__}()."
+            )
         missing = [m for m in TIER_METHODS if not callable(getattr(value, m, None))]
         raise RematError(
             f"remat: {owner} expected {name} to be a tier (HostTier, DiskTier or an object with "
