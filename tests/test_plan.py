@@ -405,6 +405,15 @@ def test_budget_texts() -> None:
     for share in ("150%", "0%"):  # readable, out of range: the message says which range
         with pytest.raises(remat.RematError, match=r"must lie in \(0%, 100%\] of the plain"):
             parse_budget(share, 1000)
+    # a text without a unit is bytes: "0.5" is not half of the peak, and says so up front
+    with pytest.raises(remat.RematError, match=r"'0\.5' is less than one byte \(a number wit"):
+        parse_budget("0.5", 1000)
+    with pytest.raises(remat.RematError, match=r"'1e400MiB' is too large to be read"):
+        parse_budget("1e400MiB", 1000)
+    # numpy's numbers are numbers: an integer is bytes, a float a fraction
+    np = pytest.importorskip("numpy")
+    assert parse_budget(np.int64(4096), 1) == 4096
+    assert parse_budget(np.float32(0.5), 1000) == 500
 
 
 def test_plan_file_round_trip(tmp_path: Any) -> None:

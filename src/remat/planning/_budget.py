@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 
 from ..errors import RematError
@@ -33,11 +35,12 @@ def parse_budget(budget: object, plain_peak: int) -> int:
     ints and texts with a unit (``"1.5GiB"``) are bytes."""
     if isinstance(budget, bool) or budget is None:
         raise RematError(f"remat.plan: budget must be a fraction or bytes, got {budget!r}; {_HOW}.")
-    if isinstance(budget, int):
+    if isinstance(budget, numbers.Integral):  # int, numpy's integers
         if budget <= 0:
             raise RematError(f"remat.plan: budget must be positive, got {budget} bytes; {_HOW}.")
-        return budget
-    if isinstance(budget, float):
+        return int(budget)
+    if isinstance(budget, numbers.Real):  # float, numpy's floats
+        budget = float(budget)
         if not 0.0 < budget <= 1.0:
             raise RematError(
                 f"remat.plan: a float budget is a fraction of the plain step's peak in (0, 1], "
@@ -57,7 +60,18 @@ def parse_budget(budget: object, plain_peak: int) -> int:
                     'a share such as "50%", or bytes ("600MiB").'
                 )
             elif unit in _UNITS and value > 0:
-                return int(value * _UNITS[unit])
+                nbytes = value * _UNITS[unit]
+                if not math.isfinite(nbytes):
+                    raise RematError(
+                        f"remat.plan: the budget {budget!r} is too large to be read; {_HOW}."
+                    )
+                if nbytes < 1:
+                    bare = " (a number without a unit is bytes)" if not unit else ""
+                    raise RematError(
+                        f"remat.plan: the budget {budget!r} is less than one byte{bare}; "
+                        f"{_HOW}."
+                    )
+                return int(nbytes)
         raise RematError(f"remat.plan: cannot read the budget {budget!r}; {_HOW}.")
     raise RematError(
         f"remat.plan: budget must be a fraction or bytes, got {type(budget).__name__}; {_HOW}."
