@@ -196,6 +196,10 @@ def test_the_blocks_are_every_run_of_one_class_outermost_first() -> None:
     assert find_blocks(nested[0]) == ["heads.0", "heads.1"]
     with pytest.raises(remat.RematError, match="two or more modules of one class next to each"):
         find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    # Named: a path alone, or an nn.ModuleList for its children (it is never called itself).
+    heads = _Heads()
+    assert find_blocks(heads, "heads") == find_blocks(heads, ["heads"]) == ["heads.0", "heads.1"]
+    assert find_blocks(heads, "heads.1") == ["heads.1"]
 
 
 def test_a_model_with_blocks_in_several_stages_is_planned_over_all_of_them_exactly() -> None:
@@ -362,6 +366,9 @@ def test_infeasible_budget_names_the_smallest_that_fits() -> None:
     smallest = info.value.smallest
     # Both in bytes: in MiB to one decimal, a budget just below the smallest reads the same.
     assert f"smallest that fits is {fmt_bytes(smallest)} ({smallest} bytes" in str(info.value)
+    # and which blocks it planned: found by the planner, they may not be the ones that matter
+    n = len(profiled.paths)
+    assert f"It planned {n} blocks, blocks.0 to blocks.{n - 1} (GPTBlock); if" in str(info.value)
     assert solve(profiled, smallest).predicted_peak <= smallest
 
 

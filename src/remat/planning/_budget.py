@@ -68,8 +68,7 @@ def parse_budget(budget: object, plain_peak: int) -> int:
                 if nbytes < 1:
                     bare = " (a number without a unit is bytes)" if not unit else ""
                     raise RematError(
-                        f"remat.plan: the budget {budget!r} is less than one byte{bare}; "
-                        f"{_HOW}."
+                        f"remat.plan: the budget {budget!r} is less than one byte{bare}; {_HOW}."
                     )
                 return int(nbytes)
         raise RematError(f"remat.plan: cannot read the budget {budget!r}; {_HOW}.")

@@ -1003,6 +1003,18 @@ def _shared_side_bytes(side: list[dict[int, int]]) -> int:
     return sum(side[0][k] for k in shared)
 
 
+def _planned_blocks(profiled: Profiled) -> str:
+    """Which blocks the plan chose options for, for an error that says no plan fits: the
+    blocks found may not be the ones that hold the step's memory."""
+    paths = profiled.paths
+    span = paths[0] if len(paths) == 1 else f"{paths[0]} to {paths[-1]}"
+    types = ", ".join(dict.fromkeys(c for _, c in profiled.fingerprint.get("blocks", [])))
+    return (
+        f"It planned {len(paths)} block{'s' * (len(paths) > 1)}, {span} ({types}); if the "
+        "step's memory is elsewhere, name the blocks to plan with blocks=."
+    )
+
+
 def _linked_runs(paths: list[str], linked: set[str]) -> list[str]:
     """Per block, the first block of its run of linked blocks: a segment on the region engine
     must not leave its run (see [ Segments on the region engine ] in ``apply.py``)."""
@@ -1030,7 +1042,7 @@ def solve(
             f"{budget_bytes} bytes); the smallest that fits is {fmt_bytes(smallest)} "
             f"({smallest} bytes, "
             f"{smallest / max(plain.peak, 1):.0%} of the plain step's "
-            f"{fmt_bytes(plain.peak)}). Raise the budget.",
+            f"{fmt_bytes(plain.peak)}). Raise the budget. {_planned_blocks(profiled)}",
             smallest,
         )
     picked = chosen(chain, picks)
@@ -1268,7 +1280,8 @@ def plan(
         loss_fn: ``loss_fn(output) -> scalar``; by default the sum of the output, which must
             then be a tensor.
         blocks: the repeated blocks, as submodule paths (each must run and compute a gradient
-            in the step) or a module class or tuple of classes; by default every child of an
+            in the step; the path of an ``nn.ModuleList`` stands for its children) or a module
+            class or tuple of classes; by default every child of an
             ``nn.ModuleList``/``nn.Sequential`` in a run of two or more of one class (a
             transformer's layers, a ResNet's blocks in each stage). Blocks found by default or
             by class that the step does not call, or that compute no gradient (frozen, fed an

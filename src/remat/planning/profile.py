@@ -131,7 +131,8 @@ def _signature(module: nn.Module) -> tuple[Any, ...]:
 
 
 def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
-    """The paths of the model's blocks: those named, or else every child of an ``nn.ModuleList``
+    """The paths of the model's blocks: those named (a path, a list of them, the path of an
+    ``nn.ModuleList`` for its children, or a class), or else every child of an ``nn.ModuleList``
     or ``nn.Sequential`` that sits in a run of two or more of one class (with trainable
     parameters, where any run has them). A run inside a block is part of the block; a run of
     containers (stages) holding runs of their own gives way to those."""
@@ -140,7 +141,13 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
         if selects_by_class(blocks):
             found = _outermost([n for n, m in names.items() if isinstance(m, blocks) and n])
         else:
-            found = list(blocks)
+            found = []
+            for n in [blocks] if isinstance(blocks, str) else blocks:
+                container = names.get(n) if isinstance(n, str) and n else None
+                if isinstance(container, (nn.ModuleList, nn.ModuleDict)):  # never called: its
+                    found += [f"{n}.{c}" for c in container._modules]  # children are the blocks
+                else:
+                    found.append(n)
             missing = [n for n in found if not isinstance(n, str) or n not in names or not n]
             if missing:
                 raise RematError(
