@@ -449,6 +449,25 @@ def test_plan_file_round_trip(tmp_path: Any) -> None:
     assert all(o.side == 0 for opts in old.options.values() for o in opts)
     assert old.blocks == plan.blocks and old.predicted_peak == plan.predicted_peak
 
+    # A damaged file fails as it is read, saying what is wrong (not later, in apply).
+    def damaged(change: Callable[[dict[str, Any]], None]) -> str:
+        broken = json.loads(plan.to_json())
+        change(broken)
+        with pytest.raises(remat.RematError, match="the plan file is damaged") as info:
+            remat.Plan.from_json(json.dumps(broken))
+        return str(info.value)
+
+    assert "blocks must be a list" in damaged(lambda d: d.update(blocks=None))
+    assert "budget is 'x', not a number" in damaged(lambda d: d.update(budget="x"))
+    assert "which has no options" in damaged(lambda d: d["blocks"][0].update(type="Nope"))
+    kind = next(iter(data["options"]))
+
+    def decide_maybe(d: dict[str, Any]) -> None:
+        option = next(o for o in d["options"][kind] if o["decisions"])
+        option["decisions"][next(iter(option["decisions"]))] = "maybe"
+
+    assert "decides 'maybe'" in damaged(decide_maybe)
+
 
 def test_a_model_already_under_remat_is_refused_by_plan_and_apply() -> None:
     """Planned twice, a model would be profiled with its first plan running (measured as the

@@ -294,9 +294,13 @@ class Plan:
         data["version"] = VERSION  # what it reads as: the fields added since have defaults
         try:
             data["options"] = {k: [Option(**o) for o in v] for k, v in data["options"].items()}
-            return cls(**data)
+            plan = cls(**data)
         except (TypeError, KeyError, AttributeError) as e:
             raise RematError(f"remat: the plan file is damaged ({e}); plan again.") from e
+        damage = _damage(plan)
+        if damage:
+            raise RematError(f"remat: the plan file is damaged ({damage}); plan again.")
+        return plan
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -306,6 +310,35 @@ class Plan:
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         with open(path, encoding="utf-8") as f:
             return cls.from_json(f.read())
+
+
+def _damage(plan: Plan) -> str:
+    """What in a plan read from a file has another type than a plan holds, or names what
+    does not exist; "" if nothing. A damaged file fails here, not half-way through
+    ``apply`` or ``summary``."""
+    for name in ("budget", "plain_peak", "predicted_peak"):
+        if type(getattr(plan, name)) is not int:
+            return f"{name} is {getattr(plan, name)!r}, not a number of bytes"
+    for name in ("plain_seconds", "predicted_seconds"):
+        if type(getattr(plan, name)) not in (int, float):
+            return f"{name} is {getattr(plan, name)!r}, not seconds"
+    if not isinstance(plan.blocks, list) or not isinstance(plan.options, dict):
+        return "blocks must be a list and options a mapping"
+    for block in plan.blocks:
+        if not isinstance(block, dict) or not all(
+            isinstance(block.get(k), str) for k in ("path", "type", "option")
+        ):
+            return f"a block is {block!r}, not its path, type and option"
+        if block["type"] not in plan.options:
+            return f"block {block['path']} is of type {block['type']!r}, which has no options"
+    for kind, options in plan.options.items():
+        for o in options:
+            bad = [d for d in o.decisions.values() if d not in ("keep", "recompute", *OFFLOADS)]
+            if bad:
+                return f"option {o.name!r} of {kind} decides {bad[0]!r}"
+            if o.tier is not None and o.tier not in OFFLOADS:
+                return f"option {o.name!r} of {kind} runs under tier {o.tier!r}"
+    return ""
 
 
 def segments(blocks: list[dict[str, str]]) -> list[list[str]]:
