@@ -356,9 +356,10 @@ def fingerprint(model: nn.Module, blocks: list[str]) -> dict[str, Any]:
     return {
         "model": type(model).__qualname__,
         "parameters": [[n, list(p.shape)] for n, p in model.named_parameters()],
-        "blocks": [[b, type(model.get_submodule(b)).__qualname__] for b in blocks]
-        if all(_has(model, b) for b in blocks)
-        else [[b, "?"] for b in blocks],
+        "blocks": [
+            [b, type(model.get_submodule(b)).__qualname__ if _has(model, b) else "?"]
+            for b in blocks
+        ],
     }
 
 
