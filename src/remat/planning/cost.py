@@ -51,7 +51,15 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autocast import loop_forward
-from .profile import first_tensor, fresh_inputs, side_inputs, synchronize, timed, used_elsewhere
+from .profile import (
+    first_tensor,
+    fresh_inputs,
+    grad_outputs,
+    side_inputs,
+    synchronize,
+    timed,
+    used_elsewhere,
+)
 
 __all__: list[str] = []
 
@@ -301,7 +309,7 @@ def measure_memory(
         if mark is not None:
             mark("start")
         with loop_forward():
-            out = first_tensor(block(*args, **kwargs))
+            outs = grad_outputs(block(*args, **kwargs))
             # The inputs go before the mark: an input the option does not hold (one it wrote to
             # disk) is freed in a chain as the next block starts, inside the context, so it
             # counts in ``kept``, never in ``cached``.
@@ -314,7 +322,7 @@ def measure_memory(
             del side
         if mark is not None:
             mark("forward")
-        grad = torch.ones_like(out)
+        grads = [torch.ones_like(o) for o in outs]
         if tracked and mark is not None:
 
             def done(g: torch.Tensor) -> None:
@@ -322,11 +330,11 @@ def measure_memory(
                 sizes.append(g.untyped_storage().nbytes())
 
             tracked[0].register_hook(done)  # type: ignore[no-untyped-call]
-        out.backward(grad)  # type: ignore[no-untyped-call]
+        torch.autograd.backward(outs, grads)
         if mark is not None:
             mark("end")
-        sizes.append(out.untyped_storage().nbytes() + grad.untyped_storage().nbytes())
-        del out, grad
+        sizes.append(sum(t.untyped_storage().nbytes() for t in (*outs, *grads)))
+        del outs, grads
 
     run(None)
     line = timeline(run, device)
@@ -357,8 +365,8 @@ def measure_seconds(
 
         def run() -> None:
             with loop_forward():
-                out = first_tensor(m(*args, **kwargs))
-            out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
+                outs = grad_outputs(m(*args, **kwargs))
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
         return timed(run, device)
 

@@ -95,6 +95,7 @@ from .profile import (
     find_blocks,
     first_tensor,
     fresh_inputs,
+    grad_outputs,
     profile_block,
     selects_by_class,
     timed,
@@ -241,10 +242,14 @@ class _Chain(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = None
-        for b in self.blocks:
+        others: list[torch.Tensor] = []  # what else the blocks before the last returned
+        for i, b in enumerate(self.blocks):
             out = b(*args, **kwargs)
-            args = (first_tensor(out), *args[1:])
-        return out
+            first = first_tensor(out)
+            args = (first, *args[1:])
+            if i + 1 < len(self.blocks):  # held to the backward, as a model holds an aux loss
+                others += [t for t in grad_outputs(out) if t is not first]
+        return (out, others) if others else out
 
 
 def _chains(block: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:

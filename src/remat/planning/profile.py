@@ -507,6 +507,16 @@ def used_elsewhere(storage: torch.UntypedStorage) -> bool:
     return int(torch._C._storage_Use_Count(storage._cdata)) > 1
 
 
+def grad_outputs(out: Any) -> list[torch.Tensor]:
+    """Every tensor of a block's output that requires grad, for a backward through all of
+    them: a block that also returns an auxiliary loss (a mixture of experts' balancing term)
+    saves for it too, and a backward through the first alone would leave that held."""
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outs:
+        first_tensor(out)  # raises, saying why
+    return outs
+
+
 def first_tensor(out: Any) -> torch.Tensor:
     for t in pytree.tree_leaves(out):
         if isinstance(t, torch.Tensor) and t.requires_grad:
