@@ -194,6 +194,25 @@ def test_cache_is_dropped_in_training_with_a_warning(caplog: pytest.LogCaptureFi
     assert out.past_key_values.get_seq_length() == SEQ
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_cache_is_dropped_in_evaluation_with_gradients(attention: str) -> None:
+    """Evaluation mode with gradients on (attribution, fine-tuning with dropout off): the
+    layers still recompute, so the cache goes as in training. It once passed through: eager
+    attention raised in backward, and SDPA appended the keys to the caller's cache twice."""
+    model, inputs = _model("llama", attention).eval(), _inputs("llama")
+    plain = _step(_model("llama", attention).eval(), {**inputs, "use_cache": False})
+    remat.hf.enable(model)
+    cache = tf.DynamicCache()
+    name = (
+        "cache"
+        if "cache" in inspect.signature(type(model).forward).parameters
+        else "past_key_values"
+    )
+    kwargs = {**inputs, "use_cache": True, name: cache}
+    _assert_exact(plain, _step(model, kwargs))
+    assert cache.get_seq_length() == 0  # nothing appended, once or twice
+
+
 def test_gpt2_positional_cache_is_dropped() -> None:
     # GPT2Model passes the cache to its blocks positionally.
     model, inputs = _model("gpt2"), _inputs("gpt2")

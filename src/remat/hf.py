@@ -16,9 +16,12 @@ recompute from appending a second time; the recompute would then attend over twi
 and rebuild tensors of other shapes (remat's determinism check raises
 :class:`~remat.CheckpointError`). Hugging Face's own gradient checkpointing drops the cache in
 each layer while training, with a warning; ``enable`` does the same, through a forward
-pre-hook on each layer: while the layer trains with gradients enabled, ``use_cache`` becomes
+pre-hook on each layer: while the layer runs with gradients enabled, ``use_cache`` becomes
 ``False`` and the cache argument becomes ``None``, and a warning is logged once per layer
-class (logger ``remat.hf``). In evaluation and under ``torch.no_grad()`` (generation) the cache
+class (logger ``remat.hf``). That includes evaluation mode with gradients (attribution,
+fine-tuning with dropout off), where a region recomputes all the same: keeping the cache
+there raised in backward, or with SDPA attention appended the keys twice to the caller's
+cache, silently. Under ``torch.no_grad()`` (generation) nothing is recomputed and the cache
 passes through untouched. The model's config is not changed.
 """
 
@@ -265,9 +268,9 @@ def cache_arguments(
 def _drop_cache(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Forward pre-hook of an enabled layer: no key/value cache while training (see NOTE
-    [ Key/value caches in training ])."""
-    if not (module.training and torch.is_grad_enabled()):
+    """Forward pre-hook of an enabled layer: no key/value cache while it records for
+    backward (see NOTE [ Key/value caches in training ])."""
+    if not torch.is_grad_enabled():
         return None
     found = cache_arguments(module, args, kwargs)
     if found is None:
@@ -279,8 +282,8 @@ def _drop_cache(
     if name not in _warned:
         _warned.add(name)
         logger.warning(
-            "remat.hf: a key/value cache cannot be used with recompute in training; %s runs "
-            "with %s.",
+            "remat.hf: a key/value cache cannot be used with recompute while gradients are "
+            "enabled; %s runs with %s.",
             name,
             ", ".join("use_cache=False" if n == "use_cache" else f"{n}=None" for n in changed),
         )
