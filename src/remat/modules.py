@@ -38,7 +38,7 @@ _MODES = ("full", "selective")
 class _CheckpointedForward:
     """The instance-level ``forward`` of a wrapped module."""
 
-    __slots__ = ("module_ref", "modules", "name", "offload_to_cpu", "options")
+    __slots__ = ("module_ref", "name", "offload_to_cpu", "options")
 
     def __init__(
         self, module: nn.Module, offload_to_cpu: bool, options: RegionOptions, name: str = ""
@@ -47,9 +47,6 @@ class _CheckpointedForward:
         self.offload_to_cpu = offload_to_cpu
         self.options = options
         self.name = name  # qualified name in the model given to apply(), for reports
-        # Its modules by id, for a policy under torch.compile ([ Regions under torch.compile ]);
-        # made at the first compiled call (a deep copy's module is still empty when this is).
-        self.modules: tuple[tuple[str, str], ...] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
@@ -69,7 +66,9 @@ class _CheckpointedForward:
                 context_fn=options.context_fn,
                 offload_inputs=self.offload_to_cpu,
                 module=self.name,
-                names=(self.name or type(module).__name__, self._modules(module)),
+                # Not cached here: an attribute set while Dynamo traces fails its guard at the
+                # next call, and every model with regions compiled twice.
+                names=(self.name or type(module).__name__, module_names(module)),
             )
         forward = types.MethodType(type(module).forward, module)
         names = None
@@ -78,11 +77,6 @@ class _CheckpointedForward:
             prefix = f"{self.name}." if self.name else ""
             names = {id(m): prefix + name if name else root for name, m in module.named_modules()}
         return run_region(forward, args, kwargs, self.options, self.offload_to_cpu, names, root)
-
-    def _modules(self, module: nn.Module) -> tuple[tuple[str, str], ...]:
-        if self.modules is None:
-            self.modules = module_names(module)
-        return self.modules
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward:
         # copy.deepcopy(model) copies the module before its __dict__, so the copy is in memo.
