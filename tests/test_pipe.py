@@ -352,6 +352,12 @@ def test_bad_balance_devices_chunks_and_mode_name_the_values() -> None:
         pipe(torch.randn(5, 3, 16, 16))
     with pytest.raises(remat.RematError, match=r"places them itself"):
         pipe.to("cpu")
+    with pytest.raises(remat.RematError, match=r"places them itself"):
+        pipe.to("cpu", torch.float64)
+    # a dtype alone converts each partition where it is, as torchgpipe allows
+    assert pipe.to(torch.float64) is pipe
+    assert {p.dtype for p in pipe.parameters()} == {torch.float64}
+    assert pipe(torch.randn(8, 3, 16, 16, dtype=torch.float64)).dtype == torch.float64
 
 
 # -- torchgpipe's spellings, in the style of its tests/test_gpipe.py -------------------------

@@ -152,7 +152,13 @@ class Pipe(nn.Module):
         )
 
     def to(self, *args: Any, **kwargs: Any) -> Pipe:
-        raise self._moved("to")
+        """A dtype (``pipe.to(torch.float64)``) converts every partition where it is, as
+        torchgpipe allows; a device would move them all to one, and is refused."""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            raise self._moved("to")
+        super().to(dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
+        return self
 
     def cuda(self, device: Any = None) -> Pipe:
         raise self._moved("cuda")
