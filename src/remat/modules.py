@@ -224,8 +224,7 @@ def refuse_hf_checkpointing(caller: str, model: nn.Module, why: str, fix: str = 
     if hf_on is not None:
         raise RematError(
             f"{caller}: Hugging Face gradient checkpointing is on in {type(model).__name__} "
-            f"({hf_on or 'the model'}); {why}. Call model.gradient_checkpointing_disable() "
-            f"first{fix}."
+            f"({hf_on or 'the model'}); {why}. Call {_hf_disable(model)} first{fix}."
         )
 
 
@@ -242,10 +241,18 @@ def _refuse_hf_checkpointing(model: nn.Module, args: tuple[Any, ...]) -> None:
         raise RematError(
             f"remat: Hugging Face gradient checkpointing was turned on in "
             f"{type(model).__name__} ({hf_on or 'the model'}) after remat was set up on it; it "
-            "would recompute every layer around remat's own decisions. Call "
-            "model.gradient_checkpointing_disable(), or undo remat's (remat.unapply(model), "
+            f"would recompute every layer around remat's own decisions. Call "
+            f"{_hf_disable(model)}, or undo remat's (remat.unapply(model), "
             "remat.hf.disable(model)) to use Hugging Face's instead."
         )
+
+
+def _hf_disable(model: nn.Module) -> str:
+    """The call that turns Hugging Face's checkpointing off, by the name the installed
+    transformers documents (5.24 renamed it, and warns on the old name)."""
+    if callable(getattr(model, "activation_checkpointing_disable", None)):
+        return "model.activation_checkpointing_disable()"
+    return "model.gradient_checkpointing_disable()"
 
 
 def guard_hf_checkpointing(model: nn.Module) -> None:
