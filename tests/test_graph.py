@@ -465,6 +465,28 @@ def test_a_result_written_through_data_replays_as_written(policy: Any, alias: st
     run_both(fn, _leaf(4, 8), w, v, policy=policy)
 
 
+def test_an_lstm_on_the_cpu_keeps_its_kernels_output() -> None:
+    """The CPU LSTM kernel makes the workspace its backward reads only where autograd records;
+    a replay runs without, and once failed ("replay did not rebuild"). Its output is kept,
+    whatever the policy."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 8, batch_first=True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return lstm(x)[0].sin().sum()
+
+    grads, data = [], torch.randn(2, 3, 8)
+    for policy in (None, policies.recompute_everything):
+        lstm.zero_grad()
+        x = data.clone().requires_grad_()
+        out = fn(x) if policy is None else remat.checkpoint(fn, x, policy=policy)
+        with counting_ops() as ops:
+            out.backward()
+        grads.append([x.grad, *(p.grad for p in lstm.parameters())])
+    assert ops["mkldnn_rnn_layer"] == 0  # kept, not replayed
+    assert_equal(grads[0], grads[1], "grads")
+
+
 def test_blank_results_replay_as_fresh_tensors_with_the_recorded_layout() -> None:
     # Dropout's mask starts as empty_like(x), filled in place by bernoulli_. The replay makes
     # the blank tensor directly, with the layout empty_like gave it (here a transposed one,
