@@ -1050,3 +1050,19 @@ def test_torch_func_transforms_raise_and_disable_checkpointing_runs_plainly(
         run(wrapped, x)
     with remat.disable_checkpointing():
         assert torch.equal(run(wrapped, x), run(lambda t: model(t).sum(), x))
+
+
+# torch's forward-AD module scripts a function as it is imported, which torch 2.13 warns of.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_forward_mode_ad_through_a_region() -> None:
+    """``torch.autograd.forward_ad`` passes through a region as through torch's checkpoint:
+    the tangent equals the plain one (the region's input saver once had no ``jvp``)."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x, v = torch.randn(3, 4), torch.randn(3, 4)
+    with fwAD.dual_level():
+        plain = fwAD.unpack_dual(block(fwAD.make_dual(x, v)))
+        ours = fwAD.unpack_dual(remat.checkpoint(block, fwAD.make_dual(x, v)))
+    assert torch.equal(plain.primal, ours.primal) and torch.equal(plain.tangent, ours.tangent)

@@ -163,11 +163,18 @@ class _SaveInputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(*tensors)
+        ctx.dtype = dummy.dtype
         return dummy.new_empty(0)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         raise AssertionError("remat: the input saver of a region is never differentiated")
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        # Forward-mode AD (``torch.autograd.forward_ad``) asks every function on the way; its
+        # output is an empty tensor no result depends on, and its tangent an empty one.
+        return torch.zeros(0, dtype=ctx.dtype)
 
 
 class _OpLog(EagerMode):
