@@ -21,7 +21,10 @@ A tensor seen in forward is identified by its TensorImpl and its version counter
    version, and what was saved of the old state is the new one (``_written_unseen``);
 3. a tensor read at another version than the one its reference was made at (it was written
    through a view or another alias since) is *stale*: it cannot be rebuilt from its reference,
-   so it is held as it is, and copied before any later write to its storage reaches it;
+   so it is held as it is, and copied before any later write to its storage reaches it. An
+   alias with a counter of its own (``h.data``) moves no version: a write through it makes
+   the results on its storage unknown from then on, and what was saved of them held
+   (``_aliases_of``);
 4. a tensor made outside the region is *external*: region inputs come back through the
    region's saved inputs (Rule 2 of the nesting note in ``checkpoint.py``); others
    (parameters, captured tensors) are held, and their version is checked when replayed;
