@@ -373,12 +373,12 @@ def test_a_plan_refuses_a_key_value_cache(name: str) -> None:
     _assert_exact(plain, (plain[0], [p.grad for p in model.parameters()]))  # left as found
     _assert_exact(plain, _step(model, inputs))
 
-    # In evaluation mode remat.hf.enable keeps the cache (generation): planning says to train.
+    # In evaluation mode with gradients on, as in training (remat.hf.enable drops it there too).
     model.eval()
-    with pytest.raises(remat.RematError, match=r"evaluation mode, .* call model.train\(\)"):
-        remat.hf.enable(model, budget="75%", example_inputs=inputs, loss_fn=loss_fn, repeats=0)
+    with pytest.raises(remat.RematError, match=r"runs with a key/value cache .*use_cache=False"):
+        remat.fit(model, inputs, budget="75%", loss_fn=loss_fn, repeats=0)
     model.train()
-    for m in model.modules():  # a failed enable leaves nothing behind
+    for m in model.modules():  # a failed plan leaves nothing behind
         assert not m._forward_hooks and not m._forward_pre_hooks, type(m).__name__
 
     uncached = {**inputs, "use_cache": False}

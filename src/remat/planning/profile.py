@@ -226,18 +226,12 @@ def _refuse_cache(path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
         f"{name}={type(bound.arguments[name]).__name__}" if name != "use_cache" else
         "use_cache=True" for name in on
     )  # fmt: skip
-    if module.training:
-        fix = (
-            "Pass use_cache=False to the model, in example_inputs and in training, or plan with "
-            "remat.hf.enable(model, budget=..., example_inputs=..., loss_fn=...), which drops "
-            "the cache while training as Hugging Face's gradient checkpointing does."
-        )
-    else:
-        fix = (
-            "The model is in evaluation mode, where Hugging Face models keep their cache (and "
-            "remat.hf.enable does not drop it); call model.train() before planning a training "
-            "step."
-        )
+    fix = (
+        "Pass use_cache=False to the model, in example_inputs and in training, or plan with "
+        "remat.hf.enable(model, budget=..., example_inputs=..., loss_fn=...), which drops "
+        "the cache wherever gradients are on, as Hugging Face's gradient checkpointing does "
+        "in training."
+    )
     raise RematError(
         f"remat.plan: block {path!r} ({type(module).__name__}) runs with a key/value cache "
         f"({given}); a replay of the block would append to the cache a second time. {fix}"
