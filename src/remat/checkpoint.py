@@ -163,7 +163,7 @@ class _SaveInputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(*tensors)
-        ctx.dtype = dummy.dtype
+        ctx.like = dummy.dtype, dummy.device  # for its tangent (``jvp``)
         return dummy.new_empty(0)
 
     @staticmethod
@@ -174,7 +174,8 @@ class _SaveInputs(torch.autograd.Function):
     def jvp(ctx: Any, *tangents: Any) -> Any:
         # Forward-mode AD (``torch.autograd.forward_ad``) asks every function on the way; its
         # output is an empty tensor no result depends on, and its tangent an empty one.
-        return torch.zeros(0, dtype=ctx.dtype)
+        dtype, device = ctx.like
+        return torch.zeros(0, dtype=dtype, device=device)
 
 
 class _OpLog(EagerMode):

@@ -328,10 +328,12 @@ class Graph(Replay):
         fills its ``noise`` argument), after autograd had saved that tensor for the op's
         backward: the saved tensor keeps its version, and a plain backward reads the value as
         written. What was saved of the state before the write is the state after it."""
-        for weak in self.packed:
-            packed = weak()
-            if packed is not None and packed.ref == before:
-                packed.ref = after
+        for packed in self._saved_as(before):
+            packed.ref = after
+
+    def _saved_as(self, ref: Ref | _Input) -> list[_Packed]:
+        """What autograd holds of the region's tensors that it saved as ``ref``."""
+        return [p for weak in self.packed if (p := weak()) is not None and p.ref == ref]
 
     def _special(
         self,
@@ -406,10 +408,11 @@ class Graph(Replay):
             if t is None or self.current.get(cdata) is not entry or t._version != entry.version:
                 continue  # gone, or its counter moved: [ Replay identity ] 3 holds it
             del self.current[cdata]
-            for weak in self.packed:
-                packed = weak()
-                if packed is not None and packed.ref == entry.ref:
-                    packed.ref = self.hold(t.detach(), *_source(t))
+            saved = self._saved_as(entry.ref)
+            if saved:
+                held = self.hold(t.detach(), *_source(t))
+                for packed in saved:
+                    packed.ref = held
 
     def _snapshot_aliases(self, target: torch.Tensor) -> None:
         """Earlier reads of other tensors on the storage ``target`` is about to write (a
