@@ -400,9 +400,9 @@ def _autograd_uses(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> l
 def test_every_option_a_plan_applies_is_exact_for_retained_graphs_grad_and_double_backward(
     disk: DiskTier,
 ) -> None:
-    """Each of the 14 options the planner measured for the GPT's blocks (plain, a region, the
-    graph engine at five caps, offloading to disk, segments of two to four blocks with their
-    input kept or on disk), applied to every block, gives the plain model's losses and
+    """Each option the planner measured for the GPT's blocks (plain, a region, the graph
+    engine at each cap its front kept, offloading to disk, segments of two to four blocks with
+    their input kept or on disk), applied to every block, gives the plain model's losses and
     gradients bit for bit when the graph is retained and walked twice, when gradients come from
     ``torch.autograd.grad``, and through a gradient penalty's double backward; the options
     with the disk tier write to it and leave no file, and each graph-engine block follows its
@@ -449,4 +449,7 @@ def test_every_option_a_plan_applies_is_exact_for_retained_graphs_grad_and_doubl
         assert bool(plan.policies) == (option.kind == "graph"), option.name
         for policy in plan.policies:
             assert policy.followed > 0 and policy.unfollowed == 0, (option.name, plan.report())
-    assert len(names) == 14, names
+    # How many graph-engine caps survive depends on the ops' timed seconds (one noisy run
+    # here): the test covers what the planner kept, and every segment, which is always there.
+    segments = [n for n in names if n.startswith("segment-")]
+    assert segments == [f"segment-{k}{t}" for t in ("", "-disk") for k in (2, 3, 4)], names
