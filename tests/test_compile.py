@@ -290,13 +290,22 @@ def _planned(budget: str) -> tuple[nn.Module, nn.Module, torch.Tensor, remat.Pla
     return model, plain, x, plan
 
 
+def _options(plan: remat.Plan) -> list[str]:
+    """Each block's option, a region or graph-engine cap alike as "recompute": which of the
+    two a 90% budget gets turns on the ops' timed seconds, which vary from run to run."""
+    return [
+        "recompute" if b["option"] == "region" or b["option"].startswith("graph-") else b["option"]
+        for b in plan.blocks
+    ]
+
+
 def test_a_compiled_plan_checks_its_mode_and_takes_other_batch_sizes() -> None:
     """A plan's pre-hooks under torch.compile: the first block's check of its input bytes is
     left to eager mode (a recompiled step's shapes are symbolic), so a larger batch runs exact;
     a plan made in evaluation mode still refuses a training forward."""
     model, plain, x, plan = _planned("90%")
     plan.apply(model)
-    assert [b["option"] for b in plan.blocks] == ["region", "plain"], plan.summary()
+    assert _options(plan) == ["recompute", "plain"], plan.summary()
     compiled = torch.compile(model, backend="aot_eager")
     for batch in (x, torch.cat([x, x, x])):  # the second recompiles with a symbolic batch
         b1, b2 = batch.clone().requires_grad_(), batch.clone().requires_grad_()
@@ -334,7 +343,7 @@ def test_a_model_compiled_before_planning_is_planned_through_the_module_it_wraps
     compiled(x)
     plan = remat.fit(compiled, x, budget="90%", loss_fn=loss_fn, repeats=0)
     assert [b["path"] for b in plan.blocks] == ["blocks.0", "blocks.1"]
-    assert [b["option"] for b in plan.blocks] == ["region", "plain"], plan.summary()
+    assert _options(plan) == ["recompute", "plain"], plan.summary()
     frames = counter.frame_count
     b1, b2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     expected = grads(plain, b1, loss_fn(plain(b1)))
@@ -377,7 +386,7 @@ def test_a_policy_sees_each_ops_module_under_compile_as_in_eager() -> None:
 
     torch._dynamo.reset()
     model, plain, x, plan = _planned("70%")
-    assert [b["option"] for b in plan.blocks] == ["graph-2", "plain"], plan.summary()
+    assert [b["option"][:6] for b in plan.blocks] == ["graph-", "plain"], plan.summary()
     plan.apply(model)
     plain_x, x = x.clone().requires_grad_(), x.clone().requires_grad_()
     _, plain_bytes = saved_bytes(lambda: torch.compile(plain, backend="aot_eager")(plain_x))
