@@ -987,6 +987,49 @@ def test_save_matmuls_replays_no_matmul_flops() -> None:
     assert_equal(plain_grads, grads, "grads")
 
 
+class _Products(nn.Module):
+    """Each product ``save_matmuls`` keeps besides ``mm`` and ``bmm``, with a pointwise op
+    after it that backward replays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 5))
+        self.b = nn.Parameter(torch.randn(6))
+        self.batch = nn.Parameter(torch.randn(3, 6, 4))
+        self.c = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        mv = (self.w @ v).sin()  # mv
+        addmv = torch.addmv(self.b, self.w, v).sin()
+        dot = torch.dot(mv, addmv).sin()
+        vdot = torch.vdot(mv, self.b).sin()
+        addbmm = torch.addbmm(self.c, self.batch.mT, self.batch * mv[:, None])
+        return (addbmm.sin().sum() + dot + vdot) * mv.cos().sum()
+
+
+def test_save_matmuls_keeps_matrix_vector_and_dot_products() -> None:
+    """``mv``, ``addmv``, ``dot``, ``vdot`` and ``addbmm`` are matmuls as much as ``mm`` is:
+    under ``save_matmuls`` backward runs the same products a plain backward runs, none
+    replayed, and the gradients are the plain ones bit for bit."""
+    products = ("mv", "addmv", "dot", "vdot", "addbmm", "mm", "bmm")
+
+    def backward(policy: Any) -> tuple[dict[str, int], list[torch.Tensor | None]]:
+        torch.manual_seed(0)
+        model = _Products()
+        v = torch.randn(5, requires_grad=True)
+        out = model(v) if policy is None else remat.checkpoint(model, v, policy=policy)
+        with counting_ops() as ops:
+            out.backward()
+        return {k: ops[k] for k in products}, [v.grad, *(p.grad for p in model.parameters())]
+
+    plain_ops, plain_grads = backward(None)
+    ops, grads = backward(policies.save_matmuls)
+    assert ops == plain_ops
+    assert_equal(plain_grads, grads, "grads")
+    replayed, _ = backward(policies.recompute_everything)  # the count sees a replay
+    assert all(replayed[k] > plain_ops[k] for k in ("mv", "addmv", "dot", "vdot", "addbmm"))
+
+
 @pytest.mark.parametrize(
     ("policy", "replayed", "replayed_flops"),
     [
