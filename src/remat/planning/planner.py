@@ -54,6 +54,7 @@ import functools
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -822,6 +823,9 @@ class Profiled:
     side_bytes: int = 0
     autocast: Autocast | None = None  # the loop's, around each forward
     device: str = "cpu"  # the type of the device the step ran and was measured on
+    # The blocks the step's forward called more than once, and how many times: each is priced
+    # by its first call (see ``_repeated``).
+    repeated: dict[str, int] = field(default_factory=dict)
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
     names: list[list[str]] = field(init=False)  # the name of each chain option
@@ -919,6 +923,10 @@ def profile_model(
         named = blocks is not None and not selects_by_class(blocks)
         found = capture(model, paths, step, named=named)
         paths = found.paths
+        repeated = {p: n for p in paths if (n := found.calls.get(p, 1)) > 1}
+        if repeated:
+            classes = {p: type(model.get_submodule(p)).__name__ for p in repeated}
+            warnings.warn(f"remat.plan: {_repeated(repeated, classes)}", stacklevel=3)
         # Every predicted ratio divides by this time: the median of as many steps as each
         # option's timing takes (a 2-core machine's steps vary by 5-10%).
         plain = measure_plain_step(model, paths, step, device, repeats=max(repeats, 1))
@@ -996,6 +1004,7 @@ def profile_model(
         side_bytes=_shared_side_bytes([found.side.get(p, {}) for p in paths]),
         device=device.type,
         autocast=autocast,
+        repeated=repeated,
     )
 
 
@@ -1010,13 +1019,31 @@ def _shared_side_bytes(side: list[dict[int, int]]) -> int:
 
 def _planned_blocks(profiled: Profiled) -> str:
     """Which blocks the plan chose options for, for an error that says no plan fits: the
-    blocks found may not be the ones that hold the step's memory."""
+    blocks found may not be the ones that hold the step's memory, or may run more than once."""
     paths = profiled.paths
     span = paths[0] if len(paths) == 1 else f"{paths[0]} to {paths[-1]}"
     types = ", ".join(dict.fromkeys(c for _, c in profiled.fingerprint.get("blocks", [])))
+    planned = f"It planned {len(paths)} block{'s' * (len(paths) > 1)}, {span} ({types})"
+    if profiled.repeated:
+        classes = dict(profiled.fingerprint.get("blocks", []))
+        return f"{planned}: {_repeated(profiled.repeated, classes)}"
+    return f"{planned}; if the step's memory is elsewhere, name the blocks to plan with blocks=."
+
+
+def _repeated(calls: dict[str, int], classes: dict[str, str]) -> str:
+    """What a plan misses on blocks the forward calls more than once (weights shared across
+    depth): the profile measures a block's first call, and the chain places each block once,
+    so what its later calls save counts as memory outside the blocks, which no option lowers.
+    A plan stays exact and within its budget (the measured step checks it); it may be slower
+    than need be, or not found."""
+    runs = ", ".join(f"{p!r} {n} times" for p, n in calls.items())
+    names = ", ".join(dict.fromkeys(classes.get(p, "Block") for p in calls))
     return (
-        f"It planned {len(paths)} block{'s' * (len(paths) > 1)}, {span} ({types}); if the "
-        "step's memory is elsewhere, name the blocks to plan with blocks=."
+        f"the forward called {runs}; the planner prices a block by its first call, so what "
+        "the later calls save is memory no option of the plan lowers, and it may find a "
+        "slower plan than fits, or none. Recompute every call of a shared block with "
+        f"remat.apply(model, {names}) instead of planning it, or plan blocks that run once "
+        "with blocks=."
     )
 
 

@@ -93,6 +93,9 @@ class Blocks:
     # Per block, its side inputs' storages (``side_inputs``) that the plain step frees by its
     # forward's end: ``storage_key`` -> bytes.
     side: dict[str, dict[int, int]] = field(default_factory=dict)
+    # Per block, how many times the step's forward called it (weights shared across depth
+    # call one block several times; the planner prices its first call).
+    calls: dict[str, int] = field(default_factory=dict)
 
 
 def op_key(module: str, op: Any, occurrence: int) -> str:
@@ -252,6 +255,7 @@ def capture(
 
     def hook(path: str) -> Any:
         def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+            found.calls[path] = found.calls.get(path, 0) + 1
             if path not in found.inputs:
                 _refuse_cache(path, module, args, kwargs)
                 for t in side_inputs((args, kwargs)):
