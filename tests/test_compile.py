@@ -6,6 +6,7 @@ Small shapes and few compiles: Dynamo is reset around every test.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import shutil
 from collections.abc import Callable, Iterator
@@ -222,6 +223,45 @@ def test_checkpoint_of_a_compiled_block_is_exact_and_compiles_once() -> None:
     assert torch.equal(block.bn.running_var, plain.bn.running_var)
     # Only the region's input is saved.
     assert nbytes == x2.numel() * x2.element_size() < plain_bytes
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"determinism_check": "strict"}, "determinism_check must be one of"),
+        ({"preserve_rng_state": "yes"}, "preserve_rng_state must be True or False"),
+        ({"use_reentrant": True}, "use_reentrant=True is not supported"),
+        ({"policy": 3}, "policy must be a callable"),
+        ({"policy": save_matmuls, "debug": True}, "debug applies to the region engine"),
+        ({"context_fn": 5}, "context_fn must be a callable"),
+    ],
+    ids=["determinism_check", "preserve_rng_state", "use_reentrant", "policy", "debug", "ctx"],
+)
+def test_a_compiled_checkpoint_checks_its_options_as_eager_does(
+    options: dict[str, Any], match: str
+) -> None:
+    """``remat.checkpoint`` under ``torch.compile`` lowers to torch's checkpoint, which takes
+    fewer options: each one is still checked as in eager mode, while Dynamo traces (the error
+    comes inside Dynamo's), and good ones break no graph, a policy made in the trace included."""
+    block = Block()
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step(x: torch.Tensor, **options: Any) -> torch.Tensor:
+        return remat.checkpoint(block, x, **options).sum()
+
+    with pytest.raises(remat.RematError, match=match):
+        remat.checkpoint(block, x, **options)  # eager
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=f"RematError: remat.checkpoint: {match}"):
+        torch.compile(step, backend="aot_eager")(x, **options)
+
+    def made_in_the_trace(x: torch.Tensor) -> torch.Tensor:
+        return step(x, policy=lambda ctx, op, *args, **kwargs: Decision.PREFER_SAVE)
+
+    for good in (step, functools.partial(step, policy=save_matmuls), made_in_the_trace):
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(good)(x)
+        assert explained.graph_break_count == 0, explained.break_reasons
 
 
 def test_checkpoint_of_a_compiled_block_with_a_policy_says_where_to_put_the_region() -> None:

@@ -267,7 +267,7 @@ def test_bad_policy_arguments_raise(make: Any, match: str) -> None:
 )
 def test_region_engine_options_with_a_policy_raise(options: dict[str, Any]) -> None:
     name = next(iter(options))
-    match = f"{name} apply to the region engine, but a policy selects the graph engine"
+    match = f"{name} applies to the region engine, but a policy selects the graph engine"
     with pytest.raises(remat.RematError, match=f"remat.checkpoint: {match}"):
         remat.checkpoint(torch.sin, _leaf(2), policy=policies.save_matmuls, **options)
     with pytest.raises(remat.RematError, match=f"remat.checkpoint_wrapper: {match}"):

@@ -650,7 +650,8 @@ class RegionOptions:
             ]
             if region_only:
                 raise RematError(
-                    f"{caller}: {', '.join(region_only)} apply to the region engine, but a "
+                    f"{caller}: {', '.join(region_only)} "
+                    f"{'apply' if len(region_only) > 1 else 'applies'} to the region engine, but a "
                     "policy selects the graph engine, which always replays random ops exactly "
                     "and rebuilds only what backward needs. Drop them or drop the policy."
                 )
@@ -660,6 +661,37 @@ class RegionOptions:
                 f"{self.determinism_check!r}."
             )
         return self
+
+
+def _check_while_tracing(
+    preserve_rng_state: Any,
+    context_fn: Any,
+    determinism_check: Any,
+    early_stop: Any,
+    debug: Any,
+    use_reentrant: Any,
+    policy: Any,
+) -> bool:
+    """:meth:`RegionOptions.parse`'s checks for a region under ``torch.compile``: Dynamo calls
+    a function marked so while it traces, with its arguments as the constants they are there,
+    and puts its result in the graph, so a bad option raises (inside Dynamo's own error) and a
+    good one costs nothing and breaks no graph."""
+    options = {
+        "preserve_rng_state": preserve_rng_state,
+        "context_fn": context_fn,
+        "determinism_check": determinism_check,
+        "early_stop": early_stop,
+        "debug": debug,
+        "use_reentrant": use_reentrant,
+        "policy": policy,
+    }
+    RegionOptions.parse("remat.checkpoint", options)
+    return True
+
+
+_checked_while_tracing: Callable[..., bool] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
+    _check_while_tracing
+)
 
 
 def checkpoint(
@@ -729,8 +761,15 @@ def checkpoint(
         # Under Dynamo the region lowers to torch's checkpoint: [ Regions under torch.compile ].
         from ._compile import lower
 
-        if use_reentrant:
-            raise RematError("remat.checkpoint: use_reentrant=True is not supported; drop it.")
+        _checked_while_tracing(
+            preserve_rng_state,
+            context_fn,
+            determinism_check,
+            early_stop,
+            debug,
+            use_reentrant,
+            policy,
+        )
         return lower(
             function,
             args,
