@@ -663,7 +663,7 @@ class RegionOptions:
         return self
 
 
-def _check_while_tracing(
+def _options(
     preserve_rng_state: Any,
     context_fn: Any,
     determinism_check: Any,
@@ -671,11 +671,8 @@ def _check_while_tracing(
     debug: Any,
     use_reentrant: Any,
     policy: Any,
-) -> bool:
-    """:meth:`RegionOptions.parse`'s checks for a region under ``torch.compile``: Dynamo calls
-    a function marked so while it traces, with its arguments as the constants they are there,
-    and puts its result in the graph, so a bad option raises (inside Dynamo's own error) and a
-    good one costs nothing and breaks no graph."""
+) -> RegionOptions:
+    """:func:`checkpoint`'s options, checked."""
     options = {
         "preserve_rng_state": preserve_rng_state,
         "context_fn": context_fn,
@@ -685,7 +682,15 @@ def _check_while_tracing(
         "use_reentrant": use_reentrant,
         "policy": policy,
     }
-    RegionOptions.parse("remat.checkpoint", options)
+    return RegionOptions.parse("remat.checkpoint", options)
+
+
+def _check_while_tracing(*options: Any) -> bool:
+    """:func:`_options`'s checks for a region under ``torch.compile``: Dynamo calls a function
+    marked so while it traces, with its arguments as the constants they are there, and puts
+    its result in the graph, so a bad option raises (inside Dynamo's own error) and a good one
+    costs nothing and breaks no graph."""
+    _options(*options)
     return True
 
 
@@ -784,17 +789,8 @@ def checkpoint(
             f"{type(function).__name__}. Pass the function or module to run, then its inputs: "
             "remat.checkpoint(block, x)."
         )
-    options = RegionOptions.parse(
-        "remat.checkpoint",
-        {
-            "preserve_rng_state": preserve_rng_state,
-            "context_fn": context_fn,
-            "determinism_check": determinism_check,
-            "early_stop": early_stop,
-            "debug": debug,
-            "use_reentrant": use_reentrant,
-            "policy": policy,
-        },
+    options = _options(
+        preserve_rng_state, context_fn, determinism_check, early_stop, debug, use_reentrant, policy
     )
     return run_region(function, args, kwargs, options)
 
