@@ -402,7 +402,9 @@ def test_a_model_compiled_before_planning_is_planned_through_the_module_it_wraps
     )
 
 
-def test_a_policy_sees_each_ops_module_under_compile_as_in_eager() -> None:
+def test_a_policy_sees_each_ops_module_under_compile_as_in_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Under compile the module an op ran in comes from the trace's ``nn_module_stack``: a
     policy reads the same names as in eager mode, and a block planned per op finds its
     decisions (keyed by module), so it saves what the plan says, with exact gradients."""
@@ -425,8 +427,16 @@ def test_a_policy_sees_each_ops_module_under_compile_as_in_eager() -> None:
     assert set(seen["compiled"]) == set(seen["eager"])
 
     torch._dynamo.reset()
+    # The first block on the graph-engine option that keeps least, the second plain: which
+    # options a budget gets, and which dominate, turn on one timing run, which load sways.
+    monkeypatch.setattr(remat.planning.planner, "undominated", list)
     model, plain, x, plan = _planned("70%")
-    assert [b["option"][:6] for b in plan.blocks] == ["graph-", "plain"], plan.summary()
+    first, second = plan.blocks
+    least = min((o for o in plan.options[first["type"]] if o.kind == "graph"), key=lambda o: o.kept)
+    plan.blocks = [
+        {"path": first["path"], "type": first["type"], "option": least.name},
+        {"path": second["path"], "type": second["type"], "option": "plain"},
+    ]
     plan.apply(model)
     plain_x, x = x.clone().requires_grad_(), x.clone().requires_grad_()
     _, plain_bytes = saved_bytes(lambda: torch.compile(plain, backend="aot_eager")(plain_x))

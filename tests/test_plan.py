@@ -577,9 +577,19 @@ class _Stack(nn.Module):
         return x
 
 
+@pytest.fixture
+def every_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner keeps each option it measured, dominated or not: which options dominate
+    turns on the ops' timed seconds, from one run here, which load can sway (a pointwise op
+    timed slower than a whole forward leaves no graph-engine option)."""
+    from remat.planning import planner
+
+    monkeypatch.setattr(planner, "undominated", list)
+
+
 def _on_graph_engine(plan: remat.Plan) -> remat.Plan:
-    """``plan`` with every block on its type's first graph-engine option: which option a
-    budget gets turns on the ops' timed seconds, from one run here, which load can sway."""
+    """``plan`` with every block on its type's first graph-engine option (kept by
+    ``every_option``): which option a budget gets turns on timed seconds too."""
     plan.blocks = [
         {"path": b["path"], "type": b["type"]}
         | {"option": next(o.name for o in plan.options[b["type"]] if o.kind == "graph")}
@@ -588,6 +598,7 @@ def _on_graph_engine(plan: remat.Plan) -> remat.Plan:
     return plan
 
 
+@pytest.mark.usefixtures("every_option")
 def test_a_changed_forward_stays_exact_and_is_reported() -> None:
     torch.manual_seed(0)
     model = _Stack().train()
@@ -959,6 +970,7 @@ def test_a_planned_model_in_a_users_loop_with_save_and_resume(tmp_path: Any) -> 
     assert_save_and_resume_exact(model, plain, resume, lambda m: _lm_loss(m(x), y), tmp_path)
 
 
+@pytest.mark.usefixtures("every_option")
 def test_a_planned_model_saved_whole_between_steps_resumes_exactly(tmp_path: Any) -> None:
     """``torch.save({"model": model, ...})`` of a model whose plan has per-op options, after
     steps have run (the plan's policies hold the ops of the call they counted): it pickles, and
@@ -1024,6 +1036,7 @@ def test_the_plain_step_is_timed_at_both_ends_of_the_profile(
     assert profiled.plain.seconds == pytest.approx((max(samples[:3]) + 10.0) / 2)
 
 
+@pytest.mark.usefixtures("every_option")
 def test_the_measured_check_leaves_the_report_to_the_users_apply() -> None:
     """remat.plan runs one step of the applied plan to check it, then undoes it: the model runs
     plainly again, and report() counts only what runs after the user's own apply."""

@@ -398,11 +398,12 @@ def _autograd_uses(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> l
 
 
 def test_every_option_a_plan_applies_is_exact_for_retained_graphs_grad_and_double_backward(
-    disk: DiskTier,
+    disk: DiskTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each option the planner measured for the GPT's blocks (plain, a region, the graph
-    engine at each cap its front kept, offloading to disk, segments of two to four blocks with
-    their input kept or on disk), applied to every block, gives the plain model's losses and
+    engine at each cap of its front, offloading to disk, a region's input on disk, the graph
+    engine with disk among its choices, segments of two to four blocks with their input kept
+    or on disk), applied to every block, gives the plain model's losses and
     gradients bit for bit when the graph is retained and walked twice, when gradients come from
     ``torch.autograd.grad``, and through a gradient penalty's double backward; the options
     with the disk tier write to it and leave no file, and each graph-engine block follows its
@@ -413,6 +414,8 @@ def test_every_option_a_plan_applies_is_exact_for_retained_graphs_grad_and_doubl
     workload = get_workload("gpt", "small")
     model = workload.model(seed=0)
     x, target = workload.batch(seed=0)
+    # Every option measured, dominated or not (which dominate turns on one timing run).
+    monkeypatch.setattr(planner, "undominated", list)
     profiled = profile_model(
         model, x, lambda o: workload.loss_fn(o, target), tiers=["recompute", "disk"], repeats=0
     )
@@ -444,12 +447,12 @@ def test_every_option_a_plan_applies_is_exact_for_retained_graphs_grad_and_doubl
         assert len(got) == len(expected)
         for k, (a, b) in enumerate(zip(expected, got, strict=True)):
             assert torch.equal(a, b), (option.name, k)
-        assert (disk.stats.bytes_written > written) == (option.tier == "disk"), option.name
+        assert (disk.stats.bytes_written > written) == option.offloads, option.name
         assert _files(disk) == []
         assert bool(plan.policies) == (option.kind == "graph"), option.name
         for policy in plan.policies:
             assert policy.followed > 0 and policy.unfollowed == 0, (option.name, plan.report())
-    # How many graph-engine caps survive depends on the ops' timed seconds (one noisy run
-    # here): the test covers what the planner kept, and every segment, which is always there.
+    # How many caps the fronts hold turns on the ops' timed seconds (one noisy run here);
+    # every kind is there, and every segment.
     segments = [n for n in names if n.startswith("segment-")]
     assert segments == [f"segment-{k}{t}" for t in ("", "-disk") for k in (2, 3, 4)], names
