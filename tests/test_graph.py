@@ -465,6 +465,78 @@ def test_a_result_written_through_data_replays_as_written(policy: Any, alias: st
     run_both(fn, _leaf(4, 8), w, v, policy=policy)
 
 
+@pytest.mark.parametrize(
+    "policy", [policies.recompute_everything, policies.save_matmuls], ids=["all", "mm"]
+)
+def test_a_result_written_through_data_as_its_last_use_replays_as_written(policy: Any) -> None:
+    """``h.data.mul_(2)`` after ``sin`` saved ``h``, and no later op reads ``h``: the region's
+    function returns, ``h`` dies, and the write is settled at the region's exit, which still
+    holds ``h`` (a plain backward reads it as written)."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        y = h.sin()
+        h.data.mul_(2)
+        return y  # no op of the region reads anything after the write
+
+    leaves = _leaf(3, 4), _leaf(4, 4)
+    a, b = _fresh(*leaves), _fresh(*leaves)
+    fn(*a).square().sum().backward()
+    remat.checkpoint(fn, *b, policy=policy).square().sum().backward()
+    assert_equal(_grads(*a), _grads(*b), "grads")
+
+
+@pytest.mark.parametrize(
+    "policy", [policies.recompute_everything, policies.save_matmuls], ids=["all", "mm"]
+)
+def test_data_assigned_to_a_result_replays_the_assigned_data(policy: Any) -> None:
+    """A straight-through estimator written ``q.data = round(q.data * 4) / 4``: the same
+    tensor object, at the same version, holds other data, which a plain run reads forward
+    and backward; so does the region, where replaying ``clone`` would give the unrounded
+    values (gradients off by 14%)."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        q = (x @ w).clone()
+        q.data = torch.round(q.data * 4) / 4
+        return (q.sin() @ w).tanh().square().sum()
+
+    run_both(fn, _leaf(3, 4), _leaf(4, 4), policy=policy)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [None, policies.recompute_everything, policies.save_matmuls],
+    ids=["region", "all", "mm"],
+)
+def test_tensors_made_in_inference_mode_are_read_as_constants(policy: Any) -> None:
+    """A table made under ``torch.inference_mode`` has no version counter: read by a region,
+    passed to one as an input, or a module's buffer, it is held as it is (nothing outside
+    inference mode can write it), where reading its version raised inside remat."""
+    with torch.inference_mode():
+        table = torch.arange(4.0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            with torch.inference_mode():
+                self.register_buffer("pos", torch.arange(4.0), persistent=False)
+
+        def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return (self.lin(x) * table.clone()).sin() + self.pos.clone() + t.clone()
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(Block(), Block())
+    model = remat.apply(copy.deepcopy(plain), Block, policy=policy)
+    x = torch.randn(3, 4)
+    grads = []
+    for m in (plain, model):
+        out = m[1](m[0](x, table), table)  # type: ignore[operator]
+        out.square().sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert_equal(grads[0], grads[1], "grads")
+
+
 def test_an_lstm_on_the_cpu_keeps_its_kernels_output() -> None:
     """The CPU LSTM kernel makes the workspace its backward reads only where autograd records;
     a replay runs without, and once failed ("replay did not rebuild"). Its output is kept,

@@ -187,13 +187,24 @@ class Reachable:
         for value in kwargs.values():
             _visit(value, found, seen, generators, 2)
         self.tensors = list(found.values())
+        try:
+            self.versions = [t._version for t in self.tensors]
+        except RuntimeError:  # an inference tensor: see ``_without_inference``
+            self._without_inference()
         # The ``torch.Generator`` objects found in the same places, but PyTorch's default
         # ones, which ``_ambient`` replays: see [ Explicit generators ] in _ambient.py.
         self.generators = [g for g in generators.values() if not is_default_generator(g)]
-        self.versions = [t._version for t in self.tensors]
         # The modules and functions walked (the function's own only when ``own`` is None), by
         # id: ``_reads.Reads`` notes the modules' state after a forward pass.
         self.walked = seen
+
+    def _without_inference(self) -> None:
+        """Leave out the tensors made under ``torch.inference_mode`` (a table, a buffer): they
+        have no version counter, and nothing outside inference mode can write them."""
+        own = [t for t in self.tensors[: self.n_own] if not t.is_inference()]
+        rest = [t for t in self.tensors[self.n_own :] if not t.is_inference()]
+        self.n_own, self.tensors = len(own), own + rest
+        self.versions = [t._version for t in self.tensors]
 
     def own_refs(self) -> list[weakref.ref[torch.Tensor]]:
         """Weak references to the tensors the function reaches (not through its arguments):

@@ -38,8 +38,23 @@ class _External:
     region later writes it in place, ``snapshot`` holds the state this read saw."""
 
     tensor: torch.Tensor
-    version: int
+    version: int  # ``NO_COUNTER`` for an inference tensor
     snapshot: torch.Tensor | None = None
+
+
+# The version of a tensor made under ``torch.inference_mode``, which has no version counter:
+# nothing outside inference mode can write it, so it needs no check.
+NO_COUNTER = -1
+
+
+def version_of(t: torch.Tensor) -> int:
+    """``t._version``, or ``NO_COUNTER`` for an inference tensor."""
+    try:
+        return t._version
+    except RuntimeError:
+        if t.is_inference():
+            return NO_COUNTER
+        raise
 
 
 class _Meta:
@@ -188,11 +203,22 @@ class _Packed:
 
 
 class _Entry(NamedTuple):
-    """How a tensor alive in forward is known: its reference, at which version, which object."""
+    """How a tensor alive in forward is known: its reference, at which version, which object,
+    and the address of its data, which moves where ``t.data = other`` swaps the data of the
+    same object without a write (see [ Replay identity ] in ``graph.py``)."""
 
     ref: Ref | _Input
     version: int
     tensor: weakref.ref[torch.Tensor]
+    address: int
+
+
+def address_of(t: torch.Tensor) -> int:
+    """The address of ``t``'s data; 0 for a tensor without storage (sparse, a wrapper)."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return 0
 
 
 def _key(t: torch.Tensor) -> int:

@@ -31,6 +31,7 @@ from . import _state
 from ._aten import storage_key as _storage
 from ._nodes import (
     _RECORDED,
+    NO_COUNTER,
     Node,
     Ref,
     _External,
@@ -289,7 +290,7 @@ class Replay:
             if isinstance(value, _External):
                 if value.snapshot is not None:
                     return value.snapshot
-                if value.tensor._version != value.version:
+                if value.version != NO_COUNTER and value.tensor._version != value.version:
                     raise CheckpointError(
                         f"remat: {node.op} in {node.module or '(top)'} read a tensor from outside "
                         "the region (a parameter, a buffer) that was modified in place after the "

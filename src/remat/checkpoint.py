@@ -162,7 +162,10 @@ class _SaveInputs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(*tensors)
+        # Autograd refuses to save a tensor made under ``torch.inference_mode``; nothing outside
+        # inference mode can write one, so it is held as it is.
+        ctx.inference = {i: t for i, t in enumerate(tensors) if t.is_inference()}
+        ctx.save_for_backward(*(None if i in ctx.inference else t for i, t in enumerate(tensors)))
         ctx.like = dummy.dtype, dummy.device  # for its tangent (``jvp``)
         return dummy.new_empty(0)
 
@@ -1012,7 +1015,10 @@ class SavedInputs:
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         node: Any = self._out.grad_fn
-        return tuple(node.saved_tensors)
+        held = node.inference
+        if not held:
+            return tuple(node.saved_tensors)
+        return tuple(held.get(i, t) for i, t in enumerate(node.saved_tensors))
 
 
 def save_inputs(tensors: list[torch.Tensor], offload: bool) -> SavedInputs:

@@ -10,7 +10,9 @@ follows the op-graph checkpointing note behind ``references/graph-based-ac.txt``
 
 NOTE [ Replay identity ]
 
-A tensor seen in forward is identified by its TensorImpl and its version counter:
+A tensor seen in forward is identified by its TensorImpl, its version counter and the address
+of its data (``t.data = other`` gives the same TensorImpl other data at the same version: it
+is then stale, as in rule 3):
 
 1. an op's new result gets a reference ``Ref(node, k)`` at the version it was created with;
 2. an op that writes a tensor in place (``bernoulli_``, ``div_``, ``out=``) produces a new
@@ -24,7 +26,8 @@ A tensor seen in forward is identified by its TensorImpl and its version counter
    so it is held as it is, and copied before any later write to its storage reaches it. An
    alias with a counter of its own (``h.data``) moves no version: a write through it makes
    the results on its storage unknown from then on, and what was saved of them held
-   (``_aliases_of``);
+   (``_aliases_of``), the results held until then, so a result whose last use was the
+   write is settled too;
 4. a tensor made outside the region is *external*: region inputs come back through the
    region's saved inputs (Rule 2 of the nesting note in ``checkpoint.py``); others
    (parameters, captured tensors) are held, and their version is checked when replayed;
@@ -105,6 +108,8 @@ from ._nodes import (
     _map_recorded,
     _Meta,
     _Packed,
+    address_of,
+    version_of,
 )
 from ._replay import Replay
 from .errors import RematError
@@ -141,8 +146,9 @@ class Graph(Replay):
         self.current: dict[int, _Entry] = {}
         self.saved_inputs: SavedInputs | None = None
         for i, t in enumerate(inputs):
-            if _key(t) not in self.current:
-                self.current[_key(t)] = _Entry(_Input(i), t._version, weakref.ref(t))
+            # An inference tensor is read as one from outside: held, as nothing writes it.
+            if _key(t) not in self.current and not t.is_inference():
+                self.current[_key(t)] = _Entry(_Input(i), t._version, weakref.ref(t), address_of(t))
         self.held: dict[int, list[_Held | Saved]] = {}  # storage -> values held by reference
         self.stores: set[Store] = set()  # the stores kept results were offloaded to
         self.packed: list[weakref.ref[_Packed]] = []
@@ -158,7 +164,7 @@ class Graph(Replay):
         self._refs: list[Ref] = []
         # Results written through an alias that may not share their version counter (see
         # ``_aliases_of``), checked at the next op, pack or exit.
-        self.unseen: list[tuple[int, _Entry]] = []
+        self.unseen: list[tuple[int, _Entry, torch.Tensor]] = []
         self.inputs_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self.rng_after: dict[int, dict[int, list[tuple[Any, torch.Tensor | None]]]] = {}
         self.alive_uses: tuple[int, dict[Ref, int]] | None = None
@@ -195,12 +201,12 @@ class Graph(Replay):
             return value
         entry = self.current.get(int(value._cdata))
         if entry is not None and entry.tensor() is value:
-            if entry.version == value._version:
+            if entry.version == value._version and entry.address == address_of(value):
                 if type(entry.ref) is Ref:
                     self._refs.append(entry.ref)
                 return entry.ref
             return self.hold(value.detach(), *_source(value))  # stale
-        external = _External(value, value._version)
+        external = _External(value, version_of(value))
         self.externals.setdefault(_key(value), []).append(external)
         return external
 
@@ -233,6 +239,7 @@ class Graph(Replay):
                     entry is not None
                     and entry.version == value._version
                     and entry.tensor() is value
+                    and entry.address == address_of(value)
                 ):
                     value = entry.ref
                     if type(value) is Ref:
@@ -284,7 +291,9 @@ class Graph(Replay):
                     source, version = live, out._version
                 else:  # see [ Replay identity ] 7
                     source, version = _source(args[facts.view_of])
-                self.current[out._cdata] = _new_entry((_new_ref((index, 0)), version, live))
+                self.current[out._cdata] = _new_entry(
+                    (_new_ref((index, 0)), version, live, address_of(out))
+                )
                 if keep:
                     node.kept[0] = self.hold(out.detach(), source, version)
                 return out
@@ -394,7 +403,9 @@ class Graph(Replay):
                 and t._version == entry.version
                 and _storage(t) == storage
             ):
-                self.unseen.append((cdata, entry))
+                # Held until then: a result the region no longer names (its last use was this
+                # write's alias) still has its saved reads to settle.
+                self.unseen.append((cdata, entry, t))
 
     def _unseen_writes(self) -> None:
         """The results noted by ``_aliases_of`` whose version did not move with the write:
@@ -403,10 +414,9 @@ class Graph(Replay):
         known from here on (a later read holds the tensor as it is, [ Replay identity ] 4),
         and what was saved of them is held as it is."""
         unseen, self.unseen = self.unseen, []
-        for cdata, entry in unseen:
-            t = entry.tensor()
-            if t is None or self.current.get(cdata) is not entry or t._version != entry.version:
-                continue  # gone, or its counter moved: [ Replay identity ] 3 holds it
+        for cdata, entry, t in unseen:
+            if self.current.get(cdata) is not entry or t._version != entry.version:
+                continue  # its counter moved: [ Replay identity ] 3 holds it
             del self.current[cdata]
             saved = self._saved_as(entry.ref)
             if saved:
@@ -448,7 +458,7 @@ class Graph(Replay):
         ref = _new_ref(key)
         source, version = _source(t if base is None or written else base)
         version += written and counted
-        self.current[t._cdata] = _new_entry((ref, version, weakref.ref(t)))
+        self.current[t._cdata] = _new_entry((ref, version, weakref.ref(t), address_of(t)))
         if keep:
             node.kept[ref.key] = self.hold(t.detach(), source, version)
 
@@ -561,7 +571,12 @@ class Graph(Replay):
         if self.unseen:
             self._unseen_writes()
         entry = self.current.get(t._cdata)
-        if entry is not None and entry.version == t._version and entry.tensor() is t:
+        if (
+            entry is not None
+            and entry.version == t._version
+            and entry.tensor() is t
+            and entry.address == address_of(t)
+        ):
             known = entry.ref
             packed = _Packed(known)
             if type(known) is Ref and self.nodes[known.node].kept:
