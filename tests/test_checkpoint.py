@@ -1066,3 +1066,49 @@ def test_forward_mode_ad_through_a_region() -> None:
         plain = fwAD.unpack_dual(block(fwAD.make_dual(x, v)))
         ours = fwAD.unpack_dual(remat.checkpoint(block, fwAD.make_dual(x, v)))
     assert torch.equal(plain.primal, ours.primal) and torch.equal(plain.tangent, ours.tangent)
+
+
+class _Hooked(nn.Module):
+    """A block whose forward registers tensor hooks on what outlives it: a gradient scale on
+    its weight and on its input, a post-accumulate hook on its bias."""
+
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def scale(name: str) -> Any:
+            return lambda g: (self.calls.append(name), g * 0.5)[1]
+
+        self.lin.weight.register_hook(scale("weight"))
+        x.register_hook(scale("input"))
+        self.lin.bias.register_post_accumulate_grad_hook(lambda p: self.calls.append("bias"))
+        return self.lin(x).tanh()
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "apply"])
+def test_hooks_a_forward_registers_on_what_outlives_it_fire_once(wrap: str) -> None:
+    """A recompute runs the forward again, which registers each hook again on the live weight,
+    bias and input: they fired twice, and a gradient scale scaled twice (torch's checkpoint
+    does so too). The hooks the recompute registers there are removed after it; those
+    registered before the region, and those of the forward pass, fire once each."""
+    torch.manual_seed(0)
+    plain_calls: list[str] = []
+    plain = _Hooked(plain_calls)
+    calls: list[str] = []
+    block = _Hooked(calls)
+    block.load_state_dict(plain.state_dict())
+    model = nn.Sequential(block)
+    if wrap == "apply":
+        remat.apply(model, _Hooked)
+    grads = []
+    for m, seen in ((plain, plain_calls), (model, calls)):
+        w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        w.register_hook(lambda g, seen=seen: (seen.append("before"), g)[1])
+        x = w * 2  # a non-leaf input
+        out = remat.checkpoint(m, x) if m is model and wrap == "checkpoint" else m(x)
+        out.square().sum().backward()
+        grads.append([w.grad, *(p.grad for p in m.parameters())])
+    assert sorted(calls) == sorted(plain_calls) == ["before", "bias", "input", "weight"]
+    assert_equal(grads[0], grads[1], "grads")

@@ -79,6 +79,7 @@ from typing import Any, Literal
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 from . import _state
 from ._ambient import (
@@ -517,6 +518,7 @@ class _Frame:
         drawn = set_generators(call.generators) if call.generators else None
         if snapshot is not None:
             snapshot.load()
+        hooks = RemovableHandle.next_id  # see ``_drop_hooks_since``
         try:
             try:
                 with (
@@ -540,6 +542,8 @@ class _Frame:
                         Reads.unbind(bound)
                     if drawn is not None:
                         set_generators(drawn)
+                    if RemovableHandle.next_id != hooks:
+                        _drop_hooks_since(hooks, [*_tensors(args, kwargs), *_alive(call.reached)])
         except _StopRecompute:
             stopped = True
         if guard is not None and guard.unlisted is not None:
@@ -966,6 +970,19 @@ class LinkedCalls:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LinkedCalls:
         return LinkedCalls(self.options)  # a copy shares no open chain
+
+
+def _drop_hooks_since(first: int, tensors: list[torch.Tensor]) -> None:
+    """Remove the tensor hooks a recompute registered, from handle id ``first`` on, on
+    ``tensors``, which outlive it (the region's inputs, the parameters it reached). A
+    forward that registers a hook on one (``weight.register_hook(scale)``) registers it again
+    when it runs as a recompute, and the hook would fire twice in this backward; hooks on
+    the recompute's own results never fire (backward runs the forward pass's graph)."""
+    for t in tensors:
+        for hooks in (t._backward_hooks, t._post_accumulate_grad_hooks):
+            if hooks:
+                for key in [k for k in hooks if k >= first]:
+                    del hooks[key]
 
 
 def _alive(refs: list[weakref.ref[torch.Tensor]] | None) -> list[torch.Tensor]:
