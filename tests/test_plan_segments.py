@@ -654,3 +654,31 @@ def test_the_summary_lists_blocks_by_path_in_runs_of_one_option() -> None:
     ]
     assert _block_runs(blocks, several_types=True, aligned=True)[-1] == "l.10      B: plain"
     assert _block_runs(blocks, several_types=False, aligned=False)[0] == "l.0  graph-4"
+
+
+@pytest.mark.parametrize("linked", [True, False], ids=["region-engine", "graph-engine"])
+def test_a_segment_left_open_pickles_and_trains_on_exactly(linked: bool) -> None:
+    """A forward that stops inside a segment (an early exit after its first block), or its
+    first block called alone (a feature probe), leaves the segment open: a linked chain holds
+    its last call by weak references, a graph-engine segment a live recording. Neither
+    pickles; ``torch.save(model)`` raised. A pickle now starts with the segment closed, and
+    the loaded model and the original both train on bit-equal to a plain one."""
+    import io
+
+    plain = _model()
+    model = copy.deepcopy(plain)
+    apply_segment(model, _PATHS, linked=linked)
+    x, _ = _batches()[0]
+    for m in (plain, model):
+        m.stop_after = 1  # runs blocks.0 and blocks.1, the segment's first
+        m(x).sum().backward()
+        m.stop_after = None
+        if not linked:
+            m.blocks[1](x)  # alone: a graph-engine segment stays open
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    expected = train(copy.deepcopy(plain), _batches(), _loss)
+    assert_records_equal(expected, train(loaded, _batches(), _loss))
+    assert_records_equal(expected, train(model, _batches(), _loss))

@@ -971,6 +971,11 @@ class LinkedCalls:
     def __deepcopy__(self, memo: dict[int, Any]) -> LinkedCalls:
         return LinkedCalls(self.options)  # a copy shares no open chain
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Nor does a pickle: a forward that stopped inside the chain (an early exit) leaves
+        # its last call open, held by weak references, which do not pickle.
+        return {**self.__dict__, "_returned": None}
+
 
 def _drop_hooks_since(first: int, tensors: list[torch.Tensor]) -> None:
     """Remove the tensor hooks a recompute registered, from handle id ``first`` on, on

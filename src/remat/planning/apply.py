@@ -390,6 +390,11 @@ class Segment:
         if stack is not None:
             stack.close()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A segment left open (its first block called alone, outside the model's forward)
+        # holds a live recording, which does not pickle: a copy starts closed.
+        return {**self.__dict__, "_open": None, "_error": None}
+
 
 def apply_segment(
     root: nn.Module, paths: list[str], tier: str | None = None, linked: bool = False
