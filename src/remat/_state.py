@@ -159,6 +159,24 @@ class checkpointing:
         state.checkpointing = self.previous
 
 
+class frame_saves:
+    """Mark the code inside as saving to a region-engine frame (its forward pass or its
+    recompute): a graph-engine region opened inside does not join a graph-engine region
+    outside (whose policy has no say over what the frame saves), so it saves its inputs in
+    forward as it does in the recompute, where no outer recording is open."""
+
+    __slots__ = ("previous",)
+
+    def __init__(self) -> None:
+        self.previous: Any = None
+
+    def __enter__(self) -> None:
+        self.previous, state.graph = state.graph, None
+
+    def __exit__(self, *exc: object) -> None:
+        state.graph = self.previous
+
+
 class recomputing:
     """Mark the code inside as a recompute (and not a region's forward pass)."""
 

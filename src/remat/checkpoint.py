@@ -40,6 +40,10 @@ Rule 2. A region's inputs are saved, through ``_SaveInputs``, by the region arou
         holds the saver's output (``SavedInputs``), which keeps the saved tensors available
         while the region needs them.
 Rule 3. A recompute starts as if no region were active; regions it meets are honoured.
+Rule 4. A graph-engine region joins the recording of one around it (its policy on top of the
+        stack), except inside a region-engine region between them (``_state.frame_saves``):
+        there it records on its own and saves its inputs, in forward as in the recompute,
+        where no outer recording is open, so the frame sees the same saved tensors in both.
 
 NOTE [ Linked calls ]
 
@@ -362,6 +366,7 @@ class _Frame:
         with (
             torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack),
             _state.checkpointing(),
+            _state.frame_saves(),
             forward_context,
             log,
         ):
@@ -525,6 +530,7 @@ class _Frame:
                     torch.autograd.graph.saved_tensors_hooks(pack, _identity),
                     torch.enable_grad(),
                     _state.recomputing(),
+                    _state.frame_saves(),
                     call.ambient.replay(restore),
                     guard if guard is not None else _NO_CONTEXT,
                     self.recompute_context,

@@ -385,8 +385,9 @@ class _Observer:
     def __call__(self, ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
         if ctx.tags:
             return Decision.PREFER_SAVE
-        graph = _state.state.graph
-        self.graph = graph
+        graph = _state.state.graph  # None inside a region-engine region of the block
+        if graph is not None:
+            self.graph = graph
         # The earlier ops it reads, as the engine recorded them for its replay (a read of an
         # argument's shape only, as ``empty_like``'s, is none).
         deps = {ref.node for ref in graph._refs} if graph is not None else set()
