@@ -1155,3 +1155,36 @@ def test_three_nested_regions_of_either_engine_are_exact(outer: str, mid: str, i
         return [out, x.grad, w.grad]  # type: ignore[list-item]
 
     assert_equal(run(None), run((outer, mid, inner)), "outputs and grads")
+
+
+class _CTC(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor) -> Any:
+        return F.ctc_loss(self.lin(x).log_softmax(-1), targets, lengths, lengths.clamp(max=4))
+
+
+def test_ctc_loss_whose_first_recompute_takes_another_path_under_the_guard_is_exact() -> None:
+    """``F.ctc_loss`` with length tensors converts them to lists, except under a Python
+    dispatch mode, where it keeps tensors and saves other tensors: the first recompute, which
+    runs under the write guard, saved (3,) int64 where forward saved (12, 3, 5) float, and
+    raised CheckpointError. Once that recompute shows the region writes nothing, it runs again
+    without the guard, as later ones do, and the step equals the plain one bit for bit."""
+    torch.manual_seed(0)
+    plain = _CTC()
+    model = remat.checkpoint_wrapper(copy.deepcopy(plain))
+    targets = torch.randint(1, 5, (3, 4), generator=torch.Generator().manual_seed(1))
+    lengths = torch.full((3,), 12, dtype=torch.long)
+    for step in range(2):
+        x = torch.randn(12, 3, 8, generator=torch.Generator().manual_seed(step))
+        losses, grads = [], []
+        for m in (plain, model):
+            m.zero_grad()
+            loss = m(x, targets, lengths)
+            loss.backward()
+            losses.append(loss)
+            grads.append([p.grad for p in m.parameters()])
+        assert_equal(losses[0], losses[1], "loss")
+        assert_equal(grads[0], grads[1], "grads")

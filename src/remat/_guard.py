@@ -57,6 +57,13 @@ and their recompute needs no guard. A region's recompute runs unguarded when all
 Checking 1 costs one version read per listed tensor per forward pass (a dozen for a transformer
 block), against one Python call per operator of the recompute that it saves.
 
+A guarded recompute is not always the program the forward pass ran: under a Python dispatch
+mode, composite ops that test for tensor subclasses take their subclass path (``F.ctc_loss``
+keeps its length tensors as tensors, and saves other tensors). A first recompute whose saved
+tensors differ from the forward's, and which showed that the function writes nothing (so
+none of 1-3 needs the guard from then on), runs again unguarded, as every later recompute
+will, and the determinism check applies to that run (``_Frame._recompute``).
+
 NOTE [ Writes undone ]
 
 A region that does write state it reaches (a block with BatchNorm writes its running statistics

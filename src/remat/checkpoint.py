@@ -418,7 +418,9 @@ class _Frame:
     def _forget(self, task: int) -> None:
         self.recomputed.pop(task, None)
 
-    def _recompute(self, task: int) -> weakref.WeakKeyDictionary[_Slot, torch.Tensor]:
+    def _recompute(
+        self, task: int, again: bool = True
+    ) -> weakref.WeakKeyDictionary[_Slot, torch.Tensor]:
         store: weakref.WeakKeyDictionary[_Slot, torch.Tensor] = weakref.WeakKeyDictionary()
         alive = [i for i, ref in enumerate(self.slots) if ref() is not None]
         if not alive:
@@ -450,6 +452,7 @@ class _Frame:
         log = _OpLog() if self.forward_ops is not None else None
         previous: list[Any] = []
         linked = len(self.calls) > 1
+        learning = self._learning()
         try:
             with contextlib.ExitStack() as stack:
                 if linked:  # a call may continue the generators where the last one left them
@@ -467,9 +470,20 @@ class _Frame:
                 raise CheckpointError(self._mismatch_message(mismatches, count, log)) from error
             raise
         if mismatches or count < last_needed + 1:
+            if again and learning and not self._learning():
+                # The guard is a Python dispatch mode, and some composite ops take another
+                # path under one (``F.ctc_loss`` saves other tensors): a first recompute that
+                # differed under it, which showed the region writes nothing, runs again as
+                # every later one will, without it, and is checked the same way.
+                return self._recompute(task, again=False)
             raise CheckpointError(self._mismatch_message(mismatches, count, log))
         self.recomputed[task] = store
         return store
+
+    def _learning(self) -> bool:
+        """Whether a call's recompute runs guarded only to learn that it writes nothing (see
+        [ When the guard runs ] in ``_guard.py``)."""
+        return any(c.snapshot is None and not c.wrote and needs_guard(c.keys) for c in self.calls)
 
     def _replay(
         self,
