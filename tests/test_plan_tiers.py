@@ -30,7 +30,7 @@ from remat.planning.solve import solve_block
 from remat.store import DiskTier
 from remat.workloads.mlp import MLPBlock
 
-from helpers import assert_save_and_resume_exact
+from helpers import assert_save_and_resume_exact, wait_for
 
 
 class _Net(nn.Module):
@@ -71,6 +71,12 @@ def _files(tier: DiskTier) -> list[Any]:
     return list(tier.directory.iterdir())
 
 
+def _no_files(tier: DiskTier) -> None:
+    """Wait until ``tier`` holds no file: a dropped ticket's file goes when the I/O on it ends
+    (a read ahead of a tensor backward then did not need), on the tier's threads."""
+    wait_for(lambda: not _files(tier))
+
+
 def test_tiers_are_checked_before_any_work() -> None:
     model = _build()
     with pytest.raises(RematError, match="host memory already"):
@@ -108,7 +114,8 @@ def test_the_disk_tier_plans_below_what_recompute_alone_reaches(disk: DiskTier) 
     # wrote in time (a block's activations here).
     assert 0.85 * plan.predicted_peak <= measured <= 1.03 * plan.predicted_peak
     assert measured <= budget
-    assert disk.stats.bytes_written > 0 and _files(disk) == []
+    assert disk.stats.bytes_written > 0
+    _no_files(disk)
 
 
 def test_a_disk_plan_in_a_users_loop_with_save_and_resume(disk: DiskTier, tmp_path: Any) -> None:
@@ -129,7 +136,7 @@ def test_a_disk_plan_in_a_users_loop_with_save_and_resume(disk: DiskTier, tmp_pa
         return loaded.apply(_build())
 
     def no_files() -> None:
-        assert _files(disk) == []
+        _no_files(disk)
 
     assert_save_and_resume_exact(model, plain, resume, lambda m: _loss(m(X)), tmp_path, no_files)
     assert disk.stats.bytes_written > written
@@ -167,7 +174,7 @@ def test_a_graph_option_offloads_exactly_the_ops_its_plan_names(disk: DiskTier) 
         assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
     undo_option(planned)
     assert not planned._forward_pre_hooks and not planned._forward_hooks
-    assert _files(disk) == []
+    _no_files(disk)
 
 
 def test_under_autocast_an_option_s_cached_bytes_are_its_casts_alone(
@@ -290,7 +297,7 @@ def test_offloading_is_timed_on_every_block_of_a_type_at_once(disk: DiskTier) ->
     across = disk.stats.bytes_written - before
     assert seconds >= 0.0
     assert all(not b._forward_pre_hooks and not b._forward_hooks for b in model.blocks)
-    assert _files(disk) == []
+    _no_files(disk)
     # One step with every block offloaded, by hand.
     for block, path in zip(model.blocks, paths, strict=True):
         apply_option(block, path, "plain", {}, "disk")
@@ -448,7 +455,7 @@ def test_every_option_a_plan_applies_is_exact_for_retained_graphs_grad_and_doubl
         for k, (a, b) in enumerate(zip(expected, got, strict=True)):
             assert torch.equal(a, b), (option.name, k)
         assert (disk.stats.bytes_written > written) == option.offloads, option.name
-        assert _files(disk) == []
+        _no_files(disk)
         assert bool(plan.policies) == (option.kind == "graph"), option.name
         for policy in plan.policies:
             assert policy.followed > 0 and policy.unfollowed == 0, (option.name, plan.report())

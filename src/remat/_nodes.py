@@ -194,12 +194,16 @@ class Node:
 
 
 class _Packed:
-    """What autograd holds for one tensor saved in a graph region."""
+    """What autograd holds for one tensor saved in a graph region; for one the region will
+    rebuild, the tensor saved (weakly) and its version then, checked when it is unpacked
+    (see ``errors.saved_and_written``)."""
 
-    __slots__ = ("__weakref__", "ref")
+    __slots__ = ("__weakref__", "ref", "tensor", "version")
 
-    def __init__(self, ref: Ref | _Input | _Held) -> None:
+    def __init__(self, ref: Ref | _Input | _Held, saved: torch.Tensor | None = None) -> None:
         self.ref = ref
+        self.tensor = weakref.ref(saved) if saved is not None else None
+        self.version = saved._version if saved is not None else 0
 
 
 class _Entry(NamedTuple):

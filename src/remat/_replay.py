@@ -41,7 +41,7 @@ from ._nodes import (
     _Meta,
     _Packed,
 )
-from .errors import CheckpointError
+from .errors import CheckpointError, saved_and_written
 
 if TYPE_CHECKING:
     from .checkpoint import SavedInputs
@@ -100,6 +100,11 @@ class Replay:
         if isinstance(ref, _Held):
             check_held(ref, "saved for backward")
             return ref.tensor
+        saved = packed.tensor() if packed.tensor is not None else None
+        if saved is not None and saved._version != packed.version:
+            raise saved_and_written(
+                "a tensor saved in a graph-engine region", saved, packed.version
+            )
         task, outside = _state.backward_task()
         if task not in self.uses:
             self._count_uses(task)

@@ -112,7 +112,7 @@ from ._guard import (
 )
 from ._reads import Reads
 from ._types import ContextFn
-from .errors import CheckpointError, RematError, did_you_mean
+from .errors import CheckpointError, RematError, did_you_mean, saved_and_written
 from .policies import Policy
 from .policies import check as check_policy
 from .store.scope import offload_hooks
@@ -140,12 +140,26 @@ class _StopRecompute(BaseException):
 
 
 class _Slot:
-    """What autograd holds in place of a tensor saved inside a region."""
+    """What autograd holds in place of a tensor saved inside a region: its place in the
+    region's saves, and the tensor saved (weakly) at the version it had then, which autograd
+    checks for a tensor it saves itself and skips for one a hook packed."""
 
-    __slots__ = ("__weakref__", "index")
+    __slots__ = ("__weakref__", "index", "tensor", "version")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, t: torch.Tensor) -> None:
         self.index = index
+        self.tensor = weakref.ref(t)
+        self.version = t._version
+
+    def check_unwritten(self) -> None:
+        """Raise as autograd does if the saved tensor was written in place since (the
+        region's output scaled in place after an op inside saved it): the recompute would
+        give the value before the write, where plain autograd raises."""
+        t = self.tensor()
+        if t is not None and t._version != self.version:
+            raise saved_and_written(
+                f"saved tensor {self.index} of a region-engine region", t, self.version
+            )
 
 
 @dataclass(frozen=True)
@@ -384,7 +398,7 @@ class _Frame:
         return out
 
     def pack(self, t: torch.Tensor) -> _Slot:
-        slot = _Slot(len(self.slots))
+        slot = _Slot(len(self.slots), t)
         self.slots.append(weakref.ref(slot))
         if self.check:
             self.metas.append((t.shape, t.dtype, t.device))
@@ -396,6 +410,7 @@ class _Frame:
     # -- backward --------------------------------------------------------------------------
 
     def unpack(self, slot: _Slot) -> torch.Tensor:
+        slot.check_unwritten()
         task, outside = _state.backward_task()
         store = self.recomputed.get(task)
         if store is None:

@@ -7,6 +7,8 @@ how to fix it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.utils.checkpoint
 
 __all__ = ["CheckpointError", "NoPlanFits", "RematError"]
@@ -39,3 +41,15 @@ def did_you_mean(found: str, choices: list[str] | tuple[str, ...]) -> str:
 
     close = difflib.get_close_matches(found, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def saved_and_written(what: str, t: Any, version: int) -> CheckpointError:
+    """The error for a tensor a region saved for backward that was written in place since:
+    autograd checks the version of a tensor it saves itself, and skips the check for one a
+    saved-tensors hook packed, as remat's regions pack theirs."""
+    return CheckpointError(
+        f"remat: {what} (shape {tuple(t.shape)}) has been modified by an inplace operation "
+        f"since it was saved for backward (its version was {version}, it is "
+        f"{t._version}), as plain autograd raises too. Write a copy (out = out * 2, not "
+        "out.mul_(2)), or clone it first."
+    )

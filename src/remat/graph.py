@@ -49,7 +49,9 @@ is then stale, as in rule 3):
    replay or backward that reads it after the program wrote that tensor (an optimizer step
    between forward and backward, an output written in place) raises, as plain autograd does
    for a saved tensor. Writes inside the region never trip it: the held value is copied first
-   (rule 3), and a copy is checked no more.
+   (rule 3), and a copy is checked no more. A saved tensor the region rebuilds is checked
+   the same way when backward unpacks it, while the tensor lives (the region's output,
+   written in place by the caller): ``_Packed`` holds it weakly, with its version.
 
 How backward rebuilds a tensor from the records: ``_replay.py``, NOTE [ Life of a replayed
 tensor ].
@@ -578,7 +580,7 @@ class Graph(Replay):
             and entry.address == address_of(t)
         ):
             known = entry.ref
-            packed = _Packed(known)
+            packed = _Packed(known, t if type(known) is Ref else None)
             if type(known) is Ref and self.nodes[known.node].kept:
                 self._offload(known)
         elif t.grad_fn is None:
