@@ -191,6 +191,11 @@ def test_the_blocks_are_every_run_of_one_class_outermost_first() -> None:
     assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Tanh())) == ["1", "2"]
     mlp = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)))
     assert find_blocks(mlp) == ["0", "1", "2"]  # blocks that are containers with no runs
+    # Fine-tuning the last layers: the first of the run is frozen, an adapter (itself a run
+    # of two Linears) trains in the last. The layers are the blocks, not the adapter's parts.
+    tuned = nn.Sequential(*(_ConvBlock() for _ in range(3))).requires_grad_(False)
+    tuned[2].adapter = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 4))
+    assert find_blocks(tuned) == ["0", "1", "2"]
     nested = nn.ModuleList([_Heads(), _Heads()])
     assert find_blocks(nested) == ["0", "1"]
     assert find_blocks(nested[0]) == ["heads.0", "heads.1"]

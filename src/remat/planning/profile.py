@@ -136,8 +136,8 @@ def _signature(module: nn.Module) -> tuple[Any, ...]:
 def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
     """The paths of the model's blocks: those named (a path, a list of them, the path of an
     ``nn.ModuleList`` for its children, or a class), or else every child of an ``nn.ModuleList``
-    or ``nn.Sequential`` that sits in a run of two or more of one class (with trainable
-    parameters, where any run has them). A run inside a block is part of the block; a run of
+    or ``nn.Sequential`` that sits in a run of two or more of one class (runs in which some
+    block has trainable parameters, where any run has such a block). A run inside a block is part of the block; a run of
     containers (stages) holding runs of their own gives way to those."""
     names = dict(model.named_modules())
     if blocks is not None:
@@ -169,7 +169,11 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             prefix = f"{name}." if name else ""
             runs += [[prefix + n for n in run] for run in _repeated_runs(module)]
-    weighty = [run for run in runs if any(p.requires_grad for p in names[run[0]].parameters())]
+    # Any block of a run may train: fine-tuning the last layers (LoRA on them) leaves the
+    # first frozen.
+    weighty = [
+        run for run in runs if any(p.requires_grad for n in run for p in names[n].parameters())
+    ]
     found = [n for run in (weighty or runs) for n in run]
     containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
     found = [  # a stage (a container) of blocks is not a block: its blocks are
