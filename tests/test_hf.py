@@ -213,6 +213,39 @@ def test_cache_is_dropped_in_evaluation_with_gradients(attention: str) -> None:
     assert cache.get_seq_length() == 0  # nothing appended, once or twice
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_cache_holding_a_prefix_is_refused_in_training(name: str) -> None:
+    """Prefix tuning passes trainable keys and values for each layer in the cache. Dropping
+    that cache, as ``remat.hf`` drops an empty one, left the prefix out: the model attended
+    to other keys (or failed on the mask's shape) and the prefix never trained. It raises,
+    naming the fix; without gradients (generation) the cache passes through."""
+    model, inputs = _model(name), _inputs(name)
+    remat.hf.enable(model)
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    width = config.hidden_size // config.num_attention_heads
+    layers = config.num_hidden_layers
+    prefix = nn.Parameter(torch.randn(layers, 2, BATCH, heads, 3, width))
+
+    def prefilled() -> Any:
+        cache = tf.DynamicCache(config=config)
+        for i in range(layers):
+            cache.update(prefix[i, 0], prefix[i, 1], i)
+        return cache
+
+    argument = (
+        "cache"
+        if "cache" in inspect.signature(type(model).forward).parameters
+        else "past_key_values"
+    )
+    ids = inputs["input_ids"]
+    positions = torch.arange(SEQ).expand(BATCH, -1)  # within GPT-2's learned positions
+    with pytest.raises(remat.RematError, match=r"holding keys and values for its layer already"):
+        model(input_ids=ids, position_ids=positions, **{argument: prefilled()}, use_cache=False)
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=positions, **{argument: prefilled()}, use_cache=True)
+
+
 def test_gpt2_positional_cache_is_dropped() -> None:
     # GPT2Model passes the cache to its blocks positionally.
     model, inputs = _model("gpt2"), _inputs("gpt2")

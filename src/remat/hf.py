@@ -22,7 +22,10 @@ class (logger ``remat.hf``). That includes evaluation mode with gradients (attri
 fine-tuning with dropout off), where a region recomputes all the same: keeping the cache
 there raised in backward, or with SDPA attention appended the keys twice to the caller's
 cache, silently. Under ``torch.no_grad()`` (generation) nothing is recomputed and the cache
-passes through untouched. The model's config is not changed.
+passes through untouched. The model's config is not changed. A cache that already holds keys
+and values for the layer (prefix tuning passes trainable ones; a continued sequence) is not
+dropped but refused: without it the layer would attend to other keys, and the prefix would
+never train (``_holds_keys``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from . import modules
 from .errors import RematError
@@ -265,6 +269,29 @@ def cache_arguments(
     return (bound, on) if on else None
 
 
+def _holds_keys(value: Any, module: nn.Module) -> bool:
+    """Whether a cache argument already holds keys and values for ``module``'s layer before it
+    runs: tensors (a legacy ``layer_past`` tuple), or a ``Cache`` object with a sequence for
+    the layer's index (an attention submodule's ``layer_idx``). Without a layer index, a cache
+    object is taken as empty: the layers before this one in the same forward may have filled
+    theirs."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
+    length = getattr(value, "get_seq_length", None)
+    index = next(
+        (i for m in module.modules() if isinstance(i := getattr(m, "layer_idx", None), int)),
+        None,
+    )
+    if not callable(length) or index is None:
+        return False
+    try:
+        return bool(length(index) > 0)
+    except (IndexError, KeyError, TypeError):  # no entry for this layer yet
+        return False
+
+
 def _drop_cache(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -276,6 +303,16 @@ def _drop_cache(
     if found is None:
         return None
     bound, changed = found
+    held = [n for n in changed if n != "use_cache" and _holds_keys(bound.arguments[n], module)]
+    if held:
+        raise RematError(
+            f"remat.hf: {type(module).__name__} got {held[0]}= holding keys and values for "
+            "its layer already (a prefix, as prefix tuning passes one, or an earlier part of "
+            "the sequence) while gradients are enabled. A layer appends to its cache, and a "
+            "recompute would append again; dropping the cache, as remat.hf does for an empty "
+            "one, would change what the layer attends to. Train it without remat.hf "
+            "(remat.hf.disable(model)), or pass the prefix another way (as input embeddings)."
+        )
     for name in changed:
         bound.arguments[name] = False if name == "use_cache" else None
     name = type(module).__name__
