@@ -303,10 +303,11 @@ def test_frozen_lower_blocks_are_left_out_of_the_plan_and_the_rest_planned_exact
     assert [b["path"] for b in plan.blocks] == ["2", "3"]
     assert any(b["option"] != "plain" for b in plan.blocks)
     batches = [(x, torch.zeros(0)), (x, torch.zeros(0))]
-    assert_records_equal(
-        train(before, batches, lambda o, _: loss_fn(o)),
-        train(fitted, batches, lambda o, _: loss_fn(o)),
-    )
+    expected = train(before, batches, lambda o, _: loss_fn(o))
+    # ``train`` takes the input's gradient too: the frozen blocks compute one now, which the
+    # plan was not made for (it says so), and the step stays exact.
+    with pytest.warns(UserWarning, match=r"block 0 computed no gradient when the plan was"):
+        assert_records_equal(expected, train(fitted, batches, lambda o, _: loss_fn(o)))
     with pytest.raises(remat.RematError, match=r"block '0' returned no tensor that requires"):
         remat.plan(model, x, loss_fn=loss_fn, blocks=["0", "2"], repeats=0)
     for block in list(model)[2:4]:
@@ -1380,3 +1381,33 @@ def test_a_block_with_an_auxiliary_output_is_predicted_to_the_byte(budget: str) 
     assert_records_equal(
         train(plain, batches, lambda o, _: o), train(model, batches, lambda o, _: o)
     )
+
+
+def test_blocks_frozen_when_planned_warn_once_when_they_train(tmp_path: Any) -> None:
+    """The planner leaves out blocks that compute no gradient (the lower layers, frozen, fed
+    an input that needs none). Unfrozen later (gradual unfreezing), they train plainly and
+    hold what they save, beyond the budget: the plan warns once, naming the first, and the
+    note survives the plan's file; ``remat.unapply`` removes it."""
+    torch.manual_seed(0)
+    model = _Stack().train()
+    for layer in model.layers[:2]:
+        layer.requires_grad_(False)
+    x = torch.randn(512, 256)
+    plan = remat.fit(model, x, budget="70%", repeats=0, points=4)
+    assert [b["path"] for b in plan.blocks] == ["layers.2", "layers.3"]
+    assert plan.measured["frozen"] == ["layers.0", "layers.1"]
+    model(x).sum().backward()  # still frozen: no warning (warnings are errors here)
+    plan.save(tmp_path / "plan.json")
+    loaded = remat.Plan.load(tmp_path / "plan.json")
+    for again in (False, True):
+        if again:  # the plan from its file
+            remat.unapply(model)
+            loaded.apply(model)
+        model.requires_grad_(True)
+        with pytest.warns(UserWarning, match=r"block layers\.0 computed no gradient when the"):
+            model(x).sum().backward()
+        model(x).sum().backward()  # once per plan
+        for layer in model.layers[:2]:
+            layer.requires_grad_(False)
+    remat.unapply(model)
+    assert all(not m._forward_hooks for m in model.modules())

@@ -23,6 +23,7 @@ from .apply import (
     PlanPolicy,
     RefuseTraining,
     UnlikeProfiled,
+    Unplanned,
     apply_option,
     apply_segment,
     refuse_set_up,
@@ -170,6 +171,11 @@ class Plan:
                 ),
                 with_kwargs=True,
             )
+        warned = [False]
+        names = dict(model.named_modules())
+        for path in self.measured.get("frozen", []):
+            if isinstance(path, str) and path in names:
+                names[path].register_forward_hook(Unplanned(path, self.budget, warned))
         if not self.training:
             for block in self.blocks:
                 path = block["path"]

@@ -260,6 +260,31 @@ class RefuseTraining:
             )
 
 
+class Unplanned:
+    """A forward hook on a block the planner left out because it computed no gradient in the
+    profiled step (frozen lower layers): warns once when it computes one (the layers were
+    unfrozen since, or the model's input now needs a gradient), as the plan runs it plainly
+    and holds what it saves, beyond the budget the plan was made for."""
+
+    def __init__(self, path: str, budget: int, warned: list[bool]) -> None:
+        self.path, self.budget = path, budget
+        self.warned = warned  # shared by the plan's watches: one warning per plan
+
+    def __call__(self, block: nn.Module, args: Any, out: Any) -> None:
+        if self.warned[0] or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out)):
+            self.warned[0] = True
+            warnings.warn(
+                f"remat: block {self.path} computed no gradient when the plan was made "
+                "(frozen, fed an input that needed none), so the plan runs it plainly; it "
+                "computes one now, and what it saves is beyond the plan's budget of "
+                f"{fmt_bytes(self.budget)}. Plan again (remat.fit) with the parameters and "
+                "inputs that train.",
+                stacklevel=2,
+            )
+
+
 class UnlikeProfiled:
     """A forward pre-hook on a plan's first block: warns once when the block gets larger
     inputs than the profiled step gave it, once when it runs under other autocast settings
@@ -346,7 +371,7 @@ def _option_hook(hook: Any) -> bool:
     return (
         hook is _reset
         or hook is _done
-        or isinstance(hook, (RefuseTraining, UnlikeProfiled))
+        or isinstance(hook, (RefuseTraining, UnlikeProfiled, Unplanned))
         or isinstance(getattr(hook, "__self__", None), Offloaded)
     )
 

@@ -826,6 +826,8 @@ class Profiled:
     # The blocks the step's forward called more than once, and how many times: each is priced
     # by its first call (see ``_repeated``).
     repeated: dict[str, int] = field(default_factory=dict)
+    # The blocks found that computed no gradient in the profiled step (see ``Blocks.frozen``).
+    frozen: list[str] = field(default_factory=list)
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
     names: list[list[str]] = field(init=False)  # the name of each chain option
@@ -1005,6 +1007,7 @@ def profile_model(
         device=device.type,
         autocast=autocast,
         repeated=repeated,
+        frozen=list(found.frozen),
     )
 
 
@@ -1129,6 +1132,7 @@ def solve(
             "plain_backward_peaks": plain.backward_peaks,
             "input_bytes": profiled.input_bytes,
             "device": profiled.device,
+            "frozen": list(profiled.frozen),
         },
     )
 
@@ -1172,7 +1176,8 @@ def measured_peak(
     """The peak activation memory of one step of ``model`` set up as ``plan`` says (after a
     warm-up step), measured as the profile was; the model is left as it was found."""
     device = device_of(model, example_inputs)
-    blocks = [model.get_submodule(b["path"]) for b in plan.blocks]
+    paths = [b["path"] for b in plan.blocks] + list(plan.measured.get("frozen", []))
+    blocks = [model.get_submodule(p) for p in paths]  # the frozen ones carry a watch
     with outside(Autocast.from_json(plan.autocast)), _as_found(model, device):
         try:
             plan.apply(model)

@@ -93,6 +93,9 @@ class Blocks:
     # Per block, its side inputs' storages (``side_inputs``) that the plain step frees by its
     # forward's end: ``storage_key`` -> bytes.
     side: dict[str, dict[int, int]] = field(default_factory=dict)
+    # The blocks found that ran and computed no gradient (frozen, fed an input that needs
+    # none), left out of the plan.
+    frozen: list[str] = field(default_factory=list)
     # Per block, how many times the step's forward called it (weights shared across depth
     # call one block several times; the planner prices its first call).
     calls: dict[str, int] = field(default_factory=dict)
@@ -137,8 +140,9 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
     """The paths of the model's blocks: those named (a path, a list of them, the path of an
     ``nn.ModuleList`` for its children, or a class), or else every child of an ``nn.ModuleList``
     or ``nn.Sequential`` that sits in a run of two or more of one class (runs in which some
-    block has trainable parameters, where any run has such a block). A run inside a block is part of the block; a run of
-    containers (stages) holding runs of their own gives way to those."""
+    block has trainable parameters, where any run has such a block). A run inside a block is
+    part of the block; a run of containers (stages) holding runs of their own gives way to
+    those."""
     names = dict(model.named_modules())
     if blocks is not None:
         if selects_by_class(blocks):
@@ -340,7 +344,9 @@ def capture(
             "backward); give blocks= that the forward calls and trains."
         )
     if ran != paths and (not named or len(ran) == len(paths)):
-        return capture(model, ran, step)  # again, in forward order: ``link`` reads it
+        again = capture(model, ran, step)  # again, in forward order: ``link`` reads it
+        again.frozen = [p for p in found.inputs if p not in trains]
+        return again
     signatures: dict[Any, str] = {}
     followers: dict[str, Any] = {}  # type -> the signature of its chain's next copy
     for path in paths:
