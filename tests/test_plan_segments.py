@@ -18,7 +18,13 @@ from remat import _state
 from remat.bench.measure import peak_step_bytes
 from remat.planning.apply import Linked, LinkedForward, apply_segment, undo_segment
 
-from helpers import assert_records_equal, assert_save_and_resume_exact, counting_ops, train
+from helpers import (
+    assert_equal,
+    assert_records_equal,
+    assert_save_and_resume_exact,
+    counting_ops,
+    train,
+)
 
 
 class _Block(nn.Module):
@@ -682,3 +688,25 @@ def test_a_segment_left_open_pickles_and_trains_on_exactly(linked: bool) -> None
     expected = train(copy.deepcopy(plain), _batches(), _loss)
     assert_records_equal(expected, train(loaded, _batches(), _loss))
     assert_records_equal(expected, train(model, _batches(), _loss))
+
+
+def test_a_linked_segment_whose_first_block_is_frozen_links_no_call_and_says_nothing() -> None:
+    """With the layers below frozen (and the model's input needing no gradient), a linked
+    segment's first block computes no gradient and saves nothing: its frame is gone when the
+    next block runs, so there is nothing to link to. That counted as a broken link, with a
+    warning that the code between the blocks changed its output; now it counts as none (the
+    warning would be an error here), and the step equals the plain one."""
+    plain = _model()
+    for block in list(plain.blocks)[:2]:
+        block.requires_grad_(False)
+    model = copy.deepcopy(plain)
+    chain = apply_segment(model, _PATHS, linked=True)
+    assert isinstance(chain, Linked)
+    x, target = _batches()[0]
+    grads = []
+    for m in (plain, model):
+        torch.manual_seed(0)
+        _loss(m(x), target).backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert chain.calls.broken == 0
+    assert_equal(grads[0], grads[1], "grads")

@@ -975,7 +975,10 @@ class LinkedCalls:
         if not torch.is_grad_enabled() or _state.state.disabled:
             return function(*args, **kwargs)
         _state.refuse_transforms("a checkpointed region")
-        if position > 0 and not found:
+        # A previous call whose frame is gone saved nothing (a frozen block fed an input that
+        # needs no gradient): there is nothing to link to, and nothing broke.
+        gone = returned is not None and frame is None and position == returned.position + 1
+        if position > 0 and not found and not gone:
             self.broken += 1
         if frame is None or not found:
             frame = _Frame(
