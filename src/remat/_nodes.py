@@ -200,10 +200,15 @@ class _Packed:
 
     __slots__ = ("__weakref__", "ref", "tensor", "version")
 
-    def __init__(self, ref: Ref | _Input | _Held, saved: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        ref: Ref | _Input | _Held,
+        tensor: weakref.ref[torch.Tensor] | None = None,
+        version: int = 0,
+    ) -> None:
         self.ref = ref
-        self.tensor = weakref.ref(saved) if saved is not None else None
-        self.version = saved._version if saved is not None else 0
+        self.tensor = tensor
+        self.version = version
 
 
 class _Entry(NamedTuple):

@@ -580,7 +580,13 @@ class Graph(Replay):
             and entry.address == address_of(t)
         ):
             known = entry.ref
-            packed = _Packed(known, t if type(known) is Ref else None)
+            # The entry's own reference and version: a result to rebuild is checked for
+            # writes when it is unpacked ([ Replay identity ] 8).
+            packed = (
+                _Packed(known, entry.tensor, entry.version)
+                if type(known) is Ref
+                else _Packed(known)
+            )
             if type(known) is Ref and self.nodes[known.node].kept:
                 self._offload(known)
         elif t.grad_fn is None:

@@ -275,13 +275,12 @@ class Unplanned:
             return
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out)):
             self.warned[0] = True
-            warnings.warn(
-                f"remat: block {self.path} computed no gradient when the plan was made "
-                "(frozen, fed an input that needed none), so the plan runs it plainly; it "
-                "computes one now, and what it saves is beyond the plan's budget of "
-                f"{fmt_bytes(self.budget)}. Plan again (remat.fit) with the parameters and "
-                "inputs that train.",
-                stacklevel=2,
+            _budget_warning(
+                self.path,
+                self.budget,
+                "computed no gradient when the plan was made (frozen, fed an input that needed "
+                "none) and runs plainly, but computes one now",
+                "Plan again (remat.fit) with the parameters and inputs that train.",
             )
 
 
@@ -343,11 +342,17 @@ class UnlikeProfiled:
             )
 
     def _warn(self, what: str, fix: str) -> None:
-        warnings.warn(
-            f"remat: block {self.path!r} {what}, so the plan's budget of "
-            f"{fmt_bytes(self.budget)} does not hold for this step (gradients stay exact). {fix}",
-            stacklevel=3,
-        )
+        _budget_warning(repr(self.path), self.budget, what, fix)
+
+
+def _budget_warning(block: str, budget: int, what: str, fix: str) -> None:
+    """Warn that ``block`` (its path, as the message shows it) ``what``, so a plan's
+    ``budget`` does not hold for this step; ``fix``."""
+    warnings.warn(
+        f"remat: block {block} {what}, so the plan's budget of {fmt_bytes(budget)} does not "
+        f"hold for this step (gradients stay exact). {fix}",
+        stacklevel=4,
+    )
 
 
 def input_bytes(inputs: Any) -> int:

@@ -70,15 +70,15 @@ from ..errors import NoPlanFits, RematError
 from ..modules import unwrapped
 from ._autocast import Autocast, loop_forward, outside
 from ._budget import fmt_bytes, parse_budget
-from ._plan import Option, Plan, fingerprint, segments
+from ._plan import Option, Plan, fingerprint
 from .apply import (
     OFFLOADS,
     apply_option,
     apply_segment,
     input_bytes,
     refuse_set_up,
+    undo_all,
     undo_option,
-    undo_segment,
 )
 from .cost import (
     PlainStep,
@@ -1176,8 +1176,6 @@ def measured_peak(
     """The peak activation memory of one step of ``model`` set up as ``plan`` says (after a
     warm-up step), measured as the profile was; the model is left as it was found."""
     device = device_of(model, example_inputs)
-    paths = [b["path"] for b in plan.blocks] + list(plan.measured.get("frozen", []))
-    blocks = [model.get_submodule(p) for p in paths]  # the frozen ones carry a watch
     with outside(Autocast.from_json(plan.autocast)), _as_found(model, device):
         try:
             plan.apply(model)
@@ -1185,10 +1183,7 @@ def measured_peak(
             step()
             return peak_bytes(step, device)
         finally:
-            for block in blocks:
-                undo_option(block)
-            for paths in segments(plan.blocks):
-                undo_segment(model, paths)
+            undo_all(model)  # the blocks' options and segments, and the frozen blocks' watch
             plan.policies = []  # what report() counts starts at the user's own apply
 
 
