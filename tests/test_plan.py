@@ -406,11 +406,15 @@ def test_blocks_the_forward_calls_more_than_once_are_named_with_the_fix() -> Non
     x = torch.randn(16, 8, 32)
     called = r"the forward called 'layers\.0' 3 times, 'layers\.1' 3 times; the planner prices"
     with (
-        pytest.warns(UserWarning, match=r"^remat\.plan: " + called),
+        pytest.warns(UserWarning, match=r"^remat\.plan: " + called) as caught,
         pytest.raises(remat.NoPlanFits, match=r"\(Sequential\): " + called) as info,
     ):
         remat.plan(model, x, budget="50%", repeats=0)
     assert "remat.apply(model, Sequential) instead of planning it" in str(info.value)
+    # The warning names the user's line, through remat.fit too.
+    with pytest.warns(UserWarning, match=called) as through_fit:
+        remat.fit(copy.deepcopy(model), x, budget="100%", repeats=0)
+    assert {w.filename for w in [*caught, *through_fit]} == {__file__}
 
     plain, shared = copy.deepcopy(model), remat.apply(copy.deepcopy(model), nn.Sequential)
     peaks = []
@@ -620,9 +624,11 @@ def test_a_changed_forward_stays_exact_and_is_reported() -> None:
         return out.square().sum() + target
 
     expected = train(model, batches, loss_fn)
-    with pytest.warns(UserWarning, match="could not follow .* op"):
+    with pytest.warns(UserWarning, match="could not follow .* op") as caught:
         got = train(planned, batches, loss_fn)
     assert_records_equal(expected, got)
+    # The warning names the user's code (the model's forward, here), not a line inside remat.
+    assert {w.filename for w in caught} == {__file__}
     report = plan.report()
     assert "not in the plan" in report and "aten.sigmoid" in report
     assert all(p.unfollowed > 0 and p.followed > 0 for p in plan.policies)

@@ -401,6 +401,7 @@ def test_a_block_whose_input_is_changed_between_blocks_keeps_it_and_warns_once()
         _step(segmented, x)
         _step(segmented, x)
     assert len(caught) == 1 and chain.calls.broken == 2
+    assert caught[0].filename == __file__  # the user's forward call, not a line inside remat
     # Blocks 2 and 3 still form one region: block 2 is recomputed once, with block 3.
     assert _spy(segmented, 2).seen == [(0, False), (1, True), (0, False), (0, True)]
     batches = [(x, torch.randn(32, 64)) for _ in range(2)]

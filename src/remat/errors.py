@@ -1,12 +1,15 @@
-"""The exceptions remat raises.
+"""The exceptions remat raises, and how it warns.
 
 Every error remat raises derives from :class:`RematError`, so a caller can catch them all at
 once. Messages start with ``remat:``, say what was expected and what was found, and end with
-how to fix it.
+how to fix it. Warnings name the user's line that led to them (see :func:`warn`).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import Any
 
 import torch.utils.checkpoint
@@ -33,6 +36,28 @@ class NoPlanFits(RematError):
     def __init__(self, message: str, smallest: int) -> None:
         super().__init__(message)
         self.smallest = smallest
+
+
+# Frames in these folders are remat's or torch's (a module's ``__call__``, a hook), never the
+# user's line a warning should name.
+_INTERNAL = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (sys.modules[__name__.rpartition(".")[0]], torch)
+    if m.__file__ is not None
+)
+
+
+def warn(message: str) -> None:
+    """``warnings.warn(message)`` attributed to the first frame outside remat and torch: the
+    user's call (``remat.fit``, a model's forward, ``loss.backward()``), however deep inside
+    remat the warning is raised. Python 3.12's ``skip_file_prefixes`` does this; remat
+    supports 3.10."""
+    frame = sys._getframe(1)
+    level = 2  # the caller of this function
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, stacklevel=level)
 
 
 def did_you_mean(found: str, choices: list[str] | tuple[str, ...]) -> str:

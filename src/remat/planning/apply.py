@@ -86,7 +86,6 @@ import copy
 import functools
 import sys
 import types
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -97,7 +96,7 @@ from torch.utils import _pytree as pytree
 
 from .. import _state
 from ..checkpoint import LinkedCalls
-from ..errors import RematError
+from ..errors import RematError, warn
 from ..modules import checkpoint_wrapper, is_wrapped, remove_hooks
 from ..policies import Decision, OpContext, recompute_everything
 from ..store import offload
@@ -151,10 +150,9 @@ class PlanPolicy:
                     "which ran differently from the profiled one; they are kept, gradients "
                     "stay exact. Plan again for this forward, or see plan.report()."
                 )
-            warnings.warn(
+            warn(
                 f"remat: the plan for {self.block or 'a block'} could not follow "
-                f"{self.unfollowed} op(s) of its forward (first: {self.unknown[0]}), {why}",
-                stacklevel=2,
+                f"{self.unfollowed} op(s) of its forward (first: {self.unknown[0]}), {why}"
             )
 
     def __call__(self, ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
@@ -348,10 +346,9 @@ class UnlikeProfiled:
 def _budget_warning(block: str, budget: int, what: str, fix: str) -> None:
     """Warn that ``block`` (its path, as the message shows it) ``what``, so a plan's
     ``budget`` does not hold for this step; ``fix``."""
-    warnings.warn(
+    warn(
         f"remat: block {block} {what}, so the plan's budget of {fmt_bytes(budget)} does not "
-        f"hold for this step (gradients stay exact). {fix}",
-        stacklevel=4,
+        f"hold for this step (gradients stay exact). {fix}"
     )
 
 
@@ -615,13 +612,12 @@ class Linked:
         if self.warned:
             return
         self.warned = True
-        warnings.warn(
+        warn(
             f"remat: block {self.paths[position]} of the plan's segment {self.paths[0]}.."
             f"{self.paths[-1]} did not take the previous block's output as it was (the code "
             "between them changed or replaced it); it starts a new region and its input is "
             "kept. Gradients stay exact; memory is above the plan's. Plan again for this "
-            "forward.",
-            stacklevel=3,
+            "forward."
         )
 
 

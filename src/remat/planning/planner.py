@@ -54,7 +54,6 @@ import functools
 import math
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -66,7 +65,7 @@ from torch.utils import _pytree as pytree
 from .. import modules
 from .._ambient import restoring_rng, set_generators
 from .._guard import generators_in
-from ..errors import NoPlanFits, RematError
+from ..errors import NoPlanFits, RematError, warn
 from ..modules import unwrapped
 from ._autocast import Autocast, loop_forward, outside
 from ._budget import fmt_bytes, parse_budget
@@ -928,7 +927,7 @@ def profile_model(
         repeated = {p: n for p in paths if (n := found.calls.get(p, 1)) > 1}
         if repeated:
             classes = {p: type(model.get_submodule(p)).__name__ for p in repeated}
-            warnings.warn(f"remat.plan: {_repeated(repeated, classes)}", stacklevel=3)
+            warn(f"remat.plan: {_repeated(repeated, classes)}")
         # Every predicted ratio divides by this time: the median of as many steps as each
         # option's timing takes (a 2-core machine's steps vary by 5-10%).
         plain = measure_plain_step(model, paths, step, device, repeats=max(repeats, 1))
