@@ -6,12 +6,13 @@ import copy
 import gc
 import threading
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
@@ -902,22 +903,75 @@ def test_recomputed_tensors_are_released_as_backward_consumes_them() -> None:
         gc.enable()
 
 
-def test_saved_tensor_read_twice_in_one_backward_raises() -> None:
-    class ReadTwice(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            ctx.save_for_backward(x)
-            return x * 2
+class _ReadTwice(torch.autograd.Function):
+    """Reads ``ctx.saved_tensors`` twice in backward, as a helper it calls may; notes the
+    storage of what it read."""
 
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            first = ctx.saved_tensors
-            second = ctx.saved_tensors
-            return g * 2 + 0 * first[0] * second[0]
+    storages: ClassVar[list[StorageWeakRef]] = []
 
-    out = remat.checkpoint(lambda t: ReadTwice.apply(t.sin()).sum(), _leaf(3))
-    with pytest.raises(remat.CheckpointError, match="requested twice in one backward"):
-        out.backward()
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.exp()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (first,) = ctx.saved_tensors
+        (second,) = ctx.saved_tensors
+        _ReadTwice.storages.append(StorageWeakRef(first.untyped_storage()))
+        return g * first.exp() + second
+
+
+def test_a_custom_function_may_read_its_saved_tensors_twice() -> None:
+    """Plain autograd lets a backward read ``ctx.saved_tensors`` more than once; so does the
+    region engine. The rebuilt tensor still goes with the node that saved it: by the time
+    the gradient reaches the input, its storage is freed. With ``retain_graph=True`` the
+    engine hands each rebuilt tensor out once, and says so."""
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return _ReadTwice.apply(t.sin()).tanh()
+
+    x = _leaf(4, 3)
+    expected = torch.autograd.grad(fn(x).sum(), x)[0]
+    freed: list[bool] = []
+    _ReadTwice.storages.clear()
+    handle = x.register_hook(lambda g: freed.append(_ReadTwice.storages[-1].expired()))
+    try:
+        got = torch.autograd.grad(remat.checkpoint(fn, x).sum(), x)[0]
+    finally:
+        handle.remove()
+    assert torch.equal(got, expected)
+    assert freed == [True]
+    out = remat.checkpoint(fn, x).sum()
+    with pytest.raises(remat.CheckpointError, match="requested twice in one backward pass with"):
+        out.backward(retain_graph=True)
+
+
+def test_an_intermediate_written_in_place_after_an_op_saved_it_raises_like_plain() -> None:
+    """``tanh`` saves its result; the region then writes it in place and drops it. Plain
+    autograd raises in backward. The recompute writes it again after saving it: the region
+    engine raises too, where torch's checkpoint hands tanh's backward the written value (a
+    wrong gradient, no error). The same region with a copy before the write is exact."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+
+    def fn(t: torch.Tensor, copy_first: bool) -> torch.Tensor:
+        y = lin(t).tanh()
+        z = y.clone() if copy_first else y
+        z[:, 0] += z[:, 1].exp()
+        return z.sigmoid()
+
+    x = _leaf(3, 4)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        fn(x, False).sum().backward()
+    with pytest.raises(remat.CheckpointError, match="modified by an inplace operation"):
+        remat.checkpoint(fn, x, False).sum().backward()
+    expected = torch.autograd.grad(fn(x, True).sum(), [x, *lin.parameters()])
+    torch_ckpt = torch.utils.checkpoint.checkpoint(fn, x, False, use_reentrant=False)
+    wrong = torch.autograd.grad(torch_ckpt.sum(), [x, *lin.parameters()])
+    assert not torch.equal(wrong[0], expected[0])
+    got = torch.autograd.grad(remat.checkpoint(fn, x, True).sum(), [x, *lin.parameters()])
+    assert_equal(got, expected)
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -22,8 +22,16 @@ Events in order, for a tensor ``t`` that an op inside region R saves for backwar
    i-th is stored for slot i in ``recomputed[g]`` if slot i is still alive.
 3. the recompute stops by raising ``_StopRecompute`` right after the highest slot index that is
    still alive (early stop), or runs to the end with ``early_stop=False``.
-4. autograd unpacks slot i in task ``g``: the stored tensor is popped and returned, so the frame
-   holds it no longer than autograd does (even with ``retain_graph=True``).
+4. autograd unpacks slot i in task ``g``: the stored tensor is returned, and stays stored
+   while slot i lives, so a custom ``autograd.Function`` may read ``ctx.saved_tensors`` twice.
+   Autograd frees a node's saved tensors, slot i with them, right after the node's backward,
+   so the frame holds the tensor no longer than autograd does. Not so with
+   ``retain_graph=True``, where slots live on: there the tensor is popped as it is returned
+   (read once per backward, or every region's rebuilt tensors would live until ``g`` ends).
+   The tensor must not have been written since the recompute saved it: autograd skips its
+   own check for a tensor a hook packed, and an op after the save may have written it in
+   place (an intermediate the region wrote after an op saved it, which plain autograd
+   refuses).
 5. a slot that backward never unpacks (partial backward) dies with its graph node; its stored
    tensor goes with it, since ``recomputed[g]`` is keyed weakly on slots. What is left of
    ``recomputed[g]`` is dropped when ``g`` ends, by a callback that holds R's frame weakly:
@@ -160,6 +168,18 @@ class _Slot:
             raise saved_and_written(
                 f"saved tensor {self.index} of a region-engine region", t, self.version
             )
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``); a torch that
+    cannot say is taken to."""
+    keeps = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keeps is None else bool(keeps())
+
+
+# A tensor the recompute saved, and its version then (``detach`` shares the counter, so
+# writes the recompute makes after the save show).
+_Rebuilt = tuple[torch.Tensor, int]
 
 
 @dataclass(frozen=True)
@@ -336,7 +356,8 @@ class _Frame:
         self.check = check
         self.slots: list[weakref.ref[_Slot]] = []
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
-        self.recomputed: dict[int, weakref.WeakKeyDictionary[_Slot, torch.Tensor]] = {}
+        # Per graph task, each slot's recomputed tensor and the version it was saved at.
+        self.recomputed: dict[int, weakref.WeakKeyDictionary[_Slot, _Rebuilt]] = {}
         self.forward_ops: list[str] | None = [] if debug else None
 
     # -- forward ---------------------------------------------------------------------------
@@ -418,15 +439,24 @@ class _Frame:
             if not outside:
                 # Rebuilt tensors that this backward never asks for go when it ends.
                 _state.forget_when_backward_ends(self._forget, task)
-        t = store.pop(slot, None)
+        # Step 4 of [ Life of a saved tensor in a region ].
+        rebuilt = store.pop(slot, None) if outside or _keeps_graph() else store.get(slot)
         if outside:
             self._forget(task)
-        if t is None:
+        if rebuilt is None:
             raise CheckpointError(
                 f"remat: saved tensor {slot.index} of a checkpointed region was requested twice "
-                "in one backward pass; each saved tensor can be read once per backward. If a "
-                "custom autograd.Function reads ctx.saved_tensors twice in its backward, read "
-                "them once into local variables."
+                "in one backward pass with retain_graph=True, where each saved tensor can be "
+                "read once per backward. If a custom autograd.Function reads "
+                "ctx.saved_tensors twice in its backward, read them once into local variables."
+            )
+        t, version = rebuilt
+        # Written since the save. A version below it is the engine's own: a recompute sets back
+        # the versions of the state it wrote (``_guard.py``); such state outlives the region,
+        # and ``check_unwritten`` above checked its forward-pass version.
+        if t._version > version:
+            raise saved_and_written(
+                f"saved tensor {slot.index} of a region-engine region", t, version
             )
         return t
 
@@ -435,8 +465,8 @@ class _Frame:
 
     def _recompute(
         self, task: int, again: bool = True
-    ) -> weakref.WeakKeyDictionary[_Slot, torch.Tensor]:
-        store: weakref.WeakKeyDictionary[_Slot, torch.Tensor] = weakref.WeakKeyDictionary()
+    ) -> weakref.WeakKeyDictionary[_Slot, _Rebuilt]:
+        store: weakref.WeakKeyDictionary[_Slot, _Rebuilt] = weakref.WeakKeyDictionary()
         alive = [i for i, ref in enumerate(self.slots) if ref() is not None]
         if not alive:
             return store
@@ -459,7 +489,7 @@ class _Frame:
                     )
                 slot = self.slots[index]()
                 if slot is not None:
-                    store[slot] = detached
+                    store[slot] = (detached, detached._version)
                 if self.early_stop and index == last_needed:
                     raise _StopRecompute
             return detached
