@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import threading
 import weakref
@@ -990,6 +991,30 @@ def test_an_intermediate_written_in_place_after_an_op_saved_it_raises_like_plain
 def test_bad_options_raise(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(remat.RematError, match=match):
         remat.checkpoint(torch.sin, _leaf(2), **kwargs)
+
+
+def test_an_option_the_function_also_takes_is_refused() -> None:
+    """torch's checkpoint passes keywords it does not know to the function; remat's checkpoint
+    takes ``policy=`` and ``early_stop=`` itself. Code ported from torch that passes its own
+    ``policy`` argument gets an error naming the clash, not remat's option applied or a
+    missing argument."""
+    net = nn.Linear(2, 2)
+
+    def act(obs: torch.Tensor, policy: nn.Module) -> torch.Tensor:
+        return policy(obs).tanh()
+
+    def stop(obs: torch.Tensor, early_stop: bool = False) -> torch.Tensor:
+        return obs.sin()
+
+    with pytest.raises(remat.RematError, match=r"policy= is an option of remat\.checkpoint, and"):
+        remat.checkpoint(act, _leaf(3, 2), policy=remat.policies.save_matmuls)
+    with pytest.raises(remat.RematError, match=r"early_stop= is an option of remat\.checkpoint"):
+        remat.checkpoint(stop, _leaf(3, 2), early_stop=False)
+    # A module is never a policy, even for a function that takes **kwargs.
+    with pytest.raises(remat.RematError, match=r"policy must be a callable .* got the module Line"):
+        remat.checkpoint(lambda obs, **kw: kw["policy"](obs), _leaf(3, 2), policy=net)
+    bound = functools.partial(act, policy=net)
+    run_both(lambda t: bound(t).sum(), _leaf(3, 2), policy=remat.policies.save_matmuls)
 
 
 def test_non_callable_raises() -> None:

@@ -456,3 +456,24 @@ def test_a_plan_counts_the_mask_every_layer_gets_where_layers_hold_it(name: str)
         plan = solve(profiled, budget)
         assert any(b["option"] != "plain" for b in plan.blocks)
         assert measured_peak(plan, model, inputs, loss_fn) == plan.predicted_peak, plan.summary()
+
+
+def test_a_wrapped_model_shows_its_forward_signature_and_generates_the_same() -> None:
+    """Hugging Face reads ``inspect.signature(model.forward)`` to choose arguments:
+    ``generate`` builds ``position_ids`` from the attention mask only for a forward that takes
+    them. A whole model under ``checkpoint_wrapper`` shows its class's signature, and greedy
+    decoding of a left-padded batch gives the plain model's tokens."""
+    config = _config("gpt2", "eager")
+    config.n_positions, config.pad_token_id = 32, 0
+    torch.manual_seed(0)
+    plain = tf.GPT2LMHeadModel(config).eval()
+    wrapped = remat.checkpoint_wrapper(copy.deepcopy(plain))
+    assert inspect.signature(wrapped.forward) == inspect.signature(plain.forward)
+    tokens = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(tokens)
+    mask[0, :2] = 0  # left padding
+    outs = [
+        m.generate(tokens, attention_mask=mask, max_new_tokens=4, do_sample=False)  # type: ignore[operator]
+        for m in (plain, wrapped)
+    ]
+    assert torch.equal(outs[0], outs[1])

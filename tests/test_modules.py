@@ -920,9 +920,12 @@ def _plain_run(functions: Any, x: torch.Tensor) -> torch.Tensor:
 def test_checkpoint_sequential_matches_plain_and_torch(segments: int, as_list: bool) -> None:
     steps = 2
     plain, expected = _train_seq(_plain_run, as_list, steps)
-    ours, got = _train_seq(lambda f, x: remat.checkpoint_sequential(f, segments, x), as_list, steps)
+    # torch's signature, ``use_reentrant`` fourth and positional, as ported code passes it
+    ours, got = _train_seq(
+        lambda f, x: remat.checkpoint_sequential(f, segments, x, False), as_list, steps
+    )
     theirs, torch_got = _train_seq(
-        lambda f, x: torch_checkpoint.checkpoint_sequential(f, segments, x, use_reentrant=False),
+        lambda f, x: torch_checkpoint.checkpoint_sequential(f, segments, x, False),
         as_list,
         steps,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import warnings
 from typing import Any
 
@@ -425,6 +426,17 @@ def test_a_forward_hook_that_replaces_a_blocks_output_breaks_the_link() -> None:
     with pytest.warns(UserWarning, match=r"block blocks\.2"):
         assert_records_equal(train(model, batches, _loss), train(segmented, batches, _loss))
     assert chain.calls.broken == 2
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_a_segments_blocks_show_their_forward_signature(linked: bool) -> None:
+    """Callers choose arguments by ``inspect.signature(block.forward)`` (Hugging Face does);
+    the forward a segment installs on each block shows the block's own."""
+    model = _Looped().train()
+    before = [inspect.signature(b.forward) for b in model.blocks]
+    apply_segment(model, _paths(model), linked=linked)
+    assert all("forward" in vars(b) for b in model.blocks[1:])  # an instance-level forward
+    assert [inspect.signature(b.forward) for b in model.blocks] == before
 
 
 def test_the_profile_finds_which_blocks_link() -> None:

@@ -83,6 +83,7 @@ and break the chain; under ``torch.compile`` each call is a region of its own (s
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import weakref
 from collections.abc import Callable
@@ -861,10 +862,32 @@ def checkpoint(
             f"{type(function).__name__}. Pass the function or module to run, then its inputs: "
             "remat.checkpoint(block, x)."
         )
+    if policy is not None or early_stop is not True:
+        _refuse_shadowed(function, policy is not None, early_stop is not True)
     options = _options(
         preserve_rng_state, context_fn, determinism_check, early_stop, debug, use_reentrant, policy
     )
     return run_region(function, args, kwargs, options)
+
+
+def _refuse_shadowed(function: Callable[..., Any], policy: bool, early_stop: bool) -> None:
+    """Raise where an option only remat's checkpoint has (``policy=``, ``early_stop=``) was
+    given and ``function`` names a parameter so: ``torch.utils.checkpoint`` passes unknown
+    keywords on to the function, so code ported from it may mean the function's."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin: nothing to read
+        return
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    for name, given in (("policy", policy), ("early_stop", early_stop)):
+        if given and name in parameters and parameters[name].kind in named:
+            raise RematError(
+                f"remat.checkpoint: {name}= is an option of remat.checkpoint, and the function "
+                f"also takes a parameter {name!r} (torch.utils.checkpoint passes keywords it "
+                f"does not know on to the function). Pass the function's {name} positionally "
+                f"or bind it with functools.partial(function, {name}=...); remat's {name}= "
+                "then means remat's option."
+            )
 
 
 def run_region(

@@ -35,10 +35,30 @@ Mode: TypeAlias = Literal["full", "selective"]
 _MODES = ("full", "selective")
 
 
+def forward_signature(module: nn.Module | None) -> inspect.Signature:
+    """The signature of ``module``'s class ``forward``, bound to it: what
+    ``inspect.signature(module.forward)`` gives without remat. An instance-level forward that
+    remat installs shows it, since callers choose arguments by it (Hugging Face's
+    ``generate`` builds ``position_ids`` from the attention mask only for a forward that takes
+    them, and its ``Trainer`` drops the dataset columns the forward does not name)."""
+    if module is None:
+        return inspect.Signature(
+            [
+                inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+                inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+            ]
+        )
+    return inspect.signature(types.MethodType(type(module).forward, module))
+
+
 class _CheckpointedForward:
     """The instance-level ``forward`` of a wrapped module."""
 
     __slots__ = ("module_ref", "name", "offload_to_cpu", "options")
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return forward_signature(self.module_ref())
 
     def __init__(
         self, module: nn.Module, offload_to_cpu: bool, options: RegionOptions, name: str = ""
@@ -515,6 +535,7 @@ def checkpoint_sequential(
     functions: nn.Sequential | Sequence[Callable[..., Any]] | Iterable[nn.Module],
     segments: int,
     input: Any,
+    use_reentrant: bool | None = None,
     **options: Any,
 ) -> Any:
     """Run a sequence of modules in ``segments`` pieces, each but the last a checkpointed region.
@@ -527,9 +548,12 @@ def checkpoint_sequential(
         functions: an ``nn.Sequential`` or a list of modules or functions, applied in order.
         segments: how many pieces, from 1 to the number of functions.
         input: the input of the first function; each function's output feeds the next.
+        use_reentrant: as in :func:`~remat.checkpoint` (fourth, as torch's signature has it).
         **options: options of :func:`~remat.checkpoint`.
     """
-    parsed = RegionOptions.parse("remat.checkpoint_sequential", options)
+    parsed = RegionOptions.parse(
+        "remat.checkpoint_sequential", {**options, "use_reentrant": use_reentrant}
+    )
     if isinstance(functions, nn.Sequential):
         steps = list(functions.children())
     elif isinstance(functions, (list, tuple, nn.ModuleList)):

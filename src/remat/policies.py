@@ -273,6 +273,12 @@ def check(policy: Any, caller: str) -> Any:
     with contextlib.suppress(TypeError):
         if policy in _CALLABLE_AS_POLICY:
             return policy
+    if isinstance(policy, torch.nn.Module):  # callable with any arguments, never a policy
+        raise RematError(
+            f"{caller}: policy must be a callable (ctx, op, *args, **kwargs) -> Decision, got "
+            f"the module {type(policy).__name__}; see remat.policies. A module the function "
+            "itself takes as policy: pass it positionally or bind it with functools.partial."
+        )
     example = _is_factory(policy)
     if example is not None:
         raise RematError(

@@ -84,6 +84,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import sys
 import types
 import weakref
@@ -97,7 +98,7 @@ from torch.utils import _pytree as pytree
 from .. import _state
 from ..checkpoint import LinkedCalls
 from ..errors import RematError, warn
-from ..modules import checkpoint_wrapper, is_wrapped, remove_hooks
+from ..modules import checkpoint_wrapper, forward_signature, is_wrapped, remove_hooks
 from ..policies import Decision, OpContext, recompute_everything
 from ..store import offload
 from ..store.scope import _NAMES
@@ -537,6 +538,12 @@ class SegmentForward:
 
     __slots__ = ("label", "module_ref", "previous")
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        if self.previous is not None:
+            return inspect.signature(self.previous)
+        return forward_signature(self.module_ref())
+
     def __init__(self, module: nn.Module, previous: Any = None, label: str = "") -> None:
         self.module_ref = weakref.ref(module)
         self.previous = previous
@@ -626,6 +633,10 @@ class LinkedForward:
     weakly, as ``checkpoint_wrapper``'s forward does."""
 
     __slots__ = ("chain", "module_ref", "position")
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return forward_signature(self.module_ref())
 
     def __init__(self, module: nn.Module, chain: Linked, position: int) -> None:
         self.module_ref = weakref.ref(module)
