@@ -432,6 +432,33 @@ def test_malformed_budgets_raise_clear_errors(budget: Any) -> None:
         remat.plan(model, x, budget=budget)
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("points", -1), ("points", 0), ("points", 1.5), ("points", True), ("repeats", -1),
+     ("repeats", "5")],
+)  # fmt: skip
+def test_points_and_repeats_must_be_counts(option: str, value: Any) -> None:
+    model, x, _, _ = _profiled_gpt()
+    with pytest.raises(remat.RematError, match=rf"^remat\.plan: {option} must be an int of at "):
+        remat.plan(model, x, **{option: value})
+
+
+def test_planning_under_inference_mode_says_why_it_cannot() -> None:
+    model, x, _, _ = _profiled_gpt()
+    with torch.inference_mode(), pytest.raises(remat.RematError, match="inference_mode"):
+        remat.plan(model, x, repeats=0)
+
+
+def test_a_block_that_cannot_be_copied_is_named() -> None:
+    """The planner measures options on deep copies of a block; the older
+    ``torch.nn.utils.spectral_norm`` keeps a computed weight that cannot be copied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.utils.spectral_norm(nn.Linear(8, 8)) for _ in range(3))).train()
+    x = torch.randn(4, 8)
+    with pytest.raises(remat.RematError, match=r"blocks of type Linear.* cannot be deep-copied"):
+        remat.plan(model, x, repeats=0)
+
+
 @pytest.mark.parametrize("segments", ["no", 0, None])
 def test_segments_must_be_a_bool(segments: Any) -> None:
     model, x, _, _ = _profiled_gpt()
@@ -520,6 +547,55 @@ def test_plan_file_round_trip(tmp_path: Any) -> None:
         option["decisions"][next(iter(option["decisions"]))] = "maybe"
 
     assert "decides 'maybe'" in damaged(decide_maybe)
+    # Each field a plan reads later, of another type or naming nothing, fails here too.
+    for change, what in [
+        (lambda d: d["options"][kind][0].update(decisions=None), "has decisions None"),
+        (lambda d: d["options"][kind][0].update(kept="x"), "has kept 'x'"),
+        (lambda d: d["options"][kind][0].update(seconds=True), "has seconds True"),
+        (lambda d: d["options"][kind][0].update(kind="bogus"), "of kind 'bogus'"),
+        (lambda d: d.update(measured=[]), "measured is [], not a dict"),
+        (lambda d: d["measured"].update(input_bytes="abc"), "measured input_bytes is 'abc'"),
+        (lambda d: d["measured"].update(frozen=5), "measured frozen is 5"),
+        (lambda d: d.update(fingerprint=None), "fingerprint is None"),
+        (lambda d: d.update(autocast="bf16"), "autocast is 'bf16'"),
+        (lambda d: d.update(solver=[]), "solver is []"),
+        (lambda d: d["blocks"][0].update(segment="nope"), "from 'nope', which is no block"),
+        (lambda d: d["blocks"][0].update(option="other"), "option 'other', which its type"),
+    ]:
+        assert what in damaged(change), what
+    path.write_bytes(b"\x80PK\x03\x04 a torch checkpoint, not text")
+    with pytest.raises(remat.RematError, match=r"a plan file is JSON text, but .* is not text"):
+        remat.Plan.load(path)
+
+
+@pytest.mark.usefixtures("every_option")
+def test_an_apply_that_fails_part_way_leaves_the_model_as_it_was(monkeypatch: Any) -> None:
+    """Apply sets blocks up one by one: one that fails undoes those set up before it, so the
+    model runs plainly and takes a plan again."""
+    from remat.planning import _plan
+
+    model, x, y = _gpt()
+    loss_fn = lambda o: _lm_loss(o, y)  # noqa: E731
+    plan = _on_graph_engine(remat.plan(model, x, budget="70%", loss_fn=loss_fn, repeats=0))
+    applied: list[str] = []
+    original = _plan.apply_option
+
+    def fail_on_the_second(module: nn.Module, path: str, *args: Any) -> Any:
+        if applied:
+            raise RuntimeError("set-up failed")
+        applied.append(path)
+        return original(module, path, *args)
+
+    monkeypatch.setattr(_plan, "apply_option", fail_on_the_second)
+    with pytest.raises(RuntimeError, match="set-up failed"):
+        plan.apply(model)
+    assert applied and plan.policies == []
+    assert all(
+        "forward" not in vars(m) and not m._forward_pre_hooks and not m._forward_hooks
+        for m in model.modules()
+    )
+    monkeypatch.undo()
+    plan.apply(model)  # it takes a plan again
 
 
 def test_a_model_already_under_remat_is_refused_by_plan_and_apply() -> None:
@@ -631,6 +707,17 @@ def test_a_changed_forward_stays_exact_and_is_reported() -> None:
     assert {w.filename for w in caught} == {__file__}
     report = plan.report()
     assert "not in the plan" in report and "aten.sigmoid" in report
+    # A deep copy of the planned model (an EMA or teacher copy) has its own per-op decisions:
+    # its steps are not counted in this plan's report.
+    before = [(p.followed, p.unfollowed) for p in plan.policies]
+    twin = copy.deepcopy(planned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the copy's policies warned already, as copied
+        twin(x).sum().backward()
+    assert [(p.followed, p.unfollowed) for p in plan.policies] == before
+    copied = [vars(layer)["forward"].options.policy for layer in twin.layers]  # type: ignore[union-attr]
+    assert not set(map(id, copied)) & set(map(id, plan.policies))
+    assert all(c.followed > f for c, (f, _) in zip(copied, before, strict=True))  # its own
     assert all(p.unfollowed > 0 and p.followed > 0 for p in plan.policies)
 
 

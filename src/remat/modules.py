@@ -14,6 +14,7 @@ import inspect
 import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from copy import deepcopy
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -107,7 +108,10 @@ class _CheckpointedForward:
                 "remat: a checkpointed forward can be deep-copied only together with its module; "
                 "deep-copy the module (or the model that contains it)."
             )
-        return _CheckpointedForward(copy, self.offload_to_cpu, self.options, self.name)
+        # The options too, as pickling copies them: a policy with state of its own (a plan's
+        # per-op decisions, which count the ops each block followed) is the copy's own.
+        options = deepcopy(self.options, memo)
+        return _CheckpointedForward(copy, self.offload_to_cpu, options, self.name)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickle by reference to the module; unpickling rebuilds the weak reference.

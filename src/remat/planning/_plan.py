@@ -27,6 +27,7 @@ from .apply import (
     apply_option,
     apply_segment,
     refuse_set_up,
+    undo_all,
 )
 
 __all__ = ["Plan"]
@@ -144,6 +145,15 @@ class Plan:
         compiled, model = model, unwrapped(model)
         check_fingerprint(self.fingerprint, fingerprint(model, [b["path"] for b in self.blocks]))
         refuse_set_up("Plan.apply", model, "a plan sets up a model that runs plainly")
+        try:
+            self._apply(model)
+        except BaseException:
+            undo_all(model)  # all or nothing: the model runs plainly again, as it did
+            self.policies = []
+            raise
+        return compiled
+
+    def _apply(self, model: nn.Module) -> None:
         self.policies = []
         first = {b["path"]: b for b in self.blocks}
         for paths in segments(self.blocks):
@@ -181,7 +191,6 @@ class Plan:
                 path = block["path"]
                 model.get_submodule(path).register_forward_pre_hook(RefuseTraining(path))
         guard_hf_checkpointing(model)
-        return compiled
 
     # -- text ----------------------------------------------------------------------------------
 
@@ -301,7 +310,7 @@ class Plan:
         try:
             data["options"] = {k: [Option(**o) for o in v] for k, v in data["options"].items()}
             plan = cls(**data)
-        except (TypeError, KeyError, AttributeError) as e:
+        except (TypeError, KeyError, AttributeError, ValueError) as e:
             raise RematError(f"remat: the plan file is damaged ({e}); plan again.") from e
         damage = _damage(plan)
         if damage:
@@ -315,7 +324,46 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+            try:
+                text = f.read()
+            except UnicodeDecodeError as e:
+                raise RematError(
+                    f"remat: a plan file is JSON text, but {os.fspath(path)!r} is not text "
+                    f"({e}); give the file Plan.save wrote."
+                ) from e
+        return cls.from_json(text)
+
+
+_NUMBER = (int, float)
+# What each option field holds in a file: the types a value may have (a bool is no number).
+_OPTION_FIELDS: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "kind": (str,),
+    "kept": (int,),
+    "backward": (int,),
+    "seconds": _NUMBER,
+    "measured_seconds": (*_NUMBER, type(None)),
+    "left": (int,),
+    "gap": _NUMBER,
+    "decisions": (dict,),
+    "tensors": (list,),
+    "span": (int,),
+    "source": (str,),
+    "tier": (str, type(None)),
+    "forward": (int,),
+    "ahead": (int,),
+    "linked": (bool,),
+    "cached": (int,),
+    "side": (int,),
+}
+_KINDS = ("plain", "region", "graph", "segment")
+
+
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    """``isinstance`` where a bool counts only as a bool, not as a number."""
+    if type(value) is bool:
+        return bool in types
+    return isinstance(value, types)
 
 
 def _damage(plan: Plan) -> str:
@@ -323,13 +371,62 @@ def _damage(plan: Plan) -> str:
     does not exist; "" if nothing. A damaged file fails here, not half-way through
     ``apply`` or ``summary``."""
     for name in ("budget", "plain_peak", "predicted_peak"):
-        if type(getattr(plan, name)) is not int:
+        if not _is(getattr(plan, name), (int,)):
             return f"{name} is {getattr(plan, name)!r}, not a number of bytes"
     for name in ("plain_seconds", "predicted_seconds"):
-        if type(getattr(plan, name)) not in (int, float):
+        if not _is(getattr(plan, name), _NUMBER):
             return f"{name} is {getattr(plan, name)!r}, not seconds"
+    for name, types in (
+        ("fingerprint", (dict,)),
+        ("budget_text", (str,)),
+        ("solver", (dict,)),
+        ("tiers", (list,)),
+        ("bandwidths", (dict,)),
+        ("pareto", (list,)),
+        ("measured", (dict,)),
+        ("training", (bool,)),
+        ("autocast", (dict, type(None))),
+    ):
+        if not _is(getattr(plan, name), types):
+            return f"{name} is {getattr(plan, name)!r}, not a {types[0].__name__}"
+    fingerprint = plan.fingerprint
+    if not (
+        isinstance(fingerprint.get("model"), str)
+        and isinstance(fingerprint.get("parameters"), list)
+        and isinstance(fingerprint.get("blocks"), list)
+    ):
+        return "the fingerprint lacks the model's class, parameters or blocks"
+    if not all(isinstance(t, str) for t in plan.tiers):
+        return f"tiers is {plan.tiers!r}, not a list of tier names"
+    measured = plan.measured
+    measured_types: dict[str, tuple[type, ...]] = {
+        "input_bytes": (int,),
+        "frozen": (list,),
+        "device": (str,),
+    }
+    for name, allowed in measured_types.items():
+        if name in measured and not _is(measured[name], allowed):
+            return f"measured {name} is {measured[name]!r}"
+    autocast = plan.autocast
+    if autocast is not None and not (
+        isinstance(autocast.get("device_type"), str) and isinstance(autocast.get("dtype"), str)
+    ):
+        return f"autocast is {autocast!r}, not a device type and a dtype"
     if not isinstance(plan.blocks, list) or not isinstance(plan.options, dict):
         return "blocks must be a list and options a mapping"
+    for kind, options in plan.options.items():
+        for o in options:
+            for name, allowed in _OPTION_FIELDS.items():
+                if not _is(getattr(o, name), allowed):
+                    return f"option {o.name!r} of {kind} has {name} {getattr(o, name)!r}"
+            if o.kind not in _KINDS:
+                return f"option {o.name!r} of {kind} is of kind {o.kind!r}, not one of {_KINDS}"
+            bad = [d for d in o.decisions.values() if d not in ("keep", "recompute", *OFFLOADS)]
+            if bad:
+                return f"option {o.name!r} of {kind} decides {bad[0]!r}"
+            if o.tier is not None and o.tier not in OFFLOADS:
+                return f"option {o.name!r} of {kind} runs under tier {o.tier!r}"
+    paths = set()
     for block in plan.blocks:
         if not isinstance(block, dict) or not all(
             isinstance(block.get(k), str) for k in ("path", "type", "option")
@@ -337,13 +434,15 @@ def _damage(plan: Plan) -> str:
             return f"a block is {block!r}, not its path, type and option"
         if block["type"] not in plan.options:
             return f"block {block['path']} is of type {block['type']!r}, which has no options"
-    for kind, options in plan.options.items():
-        for o in options:
-            bad = [d for d in o.decisions.values() if d not in ("keep", "recompute", *OFFLOADS)]
-            if bad:
-                return f"option {o.name!r} of {kind} decides {bad[0]!r}"
-            if o.tier is not None and o.tier not in OFFLOADS:
-                return f"option {o.name!r} of {kind} runs under tier {o.tier!r}"
+        paths.add(block["path"])
+    for block in plan.blocks:
+        first = block.get("segment", block["path"])
+        if first not in paths:
+            return f"block {block['path']} is in a segment from {first!r}, which is no block"
+        if first == block["path"] and block["option"] not in {
+            o.name for o in plan.options[block["type"]]
+        }:
+            return f"block {block['path']} runs option {block['option']!r}, which its type lacks"
     return ""
 
 

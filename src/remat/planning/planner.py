@@ -1339,6 +1339,17 @@ def plan(
     naming the smallest budget that fits.
     """
     parse_budget(budget, 1)  # a malformed budget fails before any work
+    for name, value, least in (("points", points, 1), ("repeats", repeats, 0)):
+        if type(value) is not int or value < least:
+            raise RematError(
+                f"remat.plan: {name} must be an int of at least {least}, got {value!r}."
+            )
+    if torch.is_inference_mode_enabled():
+        raise RematError(
+            "remat.plan: called under torch.inference_mode(), where no step computes "
+            "gradients; the planner measures a training step (forward and backward). Plan "
+            "outside it."
+        )
     model = unwrapped(model)
     if isinstance(model, nn.Module):
         why = (

@@ -536,6 +536,20 @@ def first_tensor(out: Any) -> torch.Tensor:
     )
 
 
+def copy_block(block: nn.Module, name: str) -> nn.Module:
+    """A deep copy of ``block``, which the planner measures options on; a block that cannot
+    be copied raises, saying why."""
+    try:
+        return copy.deepcopy(block)
+    except RuntimeError as e:
+        raise RematError(
+            f"remat.plan: the planner measures each block type on copies of a block, and "
+            f"blocks of type {name} cannot be deep-copied ({e}). A module that keeps a "
+            "computed tensor as an attribute does this: torch.nn.utils.spectral_norm and "
+            "weight_norm do; their torch.nn.utils.parametrizations versions copy, and plan."
+        ) from e
+
+
 def profile_block(
     block: nn.Module,
     inputs: tuple[tuple[Any, ...], dict[str, Any]],
@@ -545,7 +559,7 @@ def profile_block(
 ) -> BlockProfile:
     """Record ``block``'s ops under the graph engine and time them in plain runs on
     ``device``."""
-    observed = copy.deepcopy(block)
+    observed = copy_block(block, name)
     observer = _Observer()
     checkpoint_wrapper(observed, policy=observer)
     args, kwargs = fresh_inputs(inputs)
