@@ -333,6 +333,78 @@ def test_deferred_batch_norm_statistics_equal_batch_norm_on_the_whole_minibatch(
     assert torch.equal(deferred.running_var, full.running_var)
 
 
+class Fail(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise RuntimeError("failed on purpose")
+        return x
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_deferred_batch_norm_after_a_forward_that_raised(checkpoint: str) -> None:
+    """A forward that raises after some micro-batches passed a DeferredBatchNorm leaves their
+    sums and count there; the next forward starts a new mini-batch without them. Running
+    statistics after two good steps equal nn.BatchNorm2d run on the two whole mini-batches
+    only, torch.equal (exactly summable inputs, as above). Kept, the leftovers moved every
+    later commit off the mini-batches' boundaries."""
+    torch.manual_seed(0)
+    fail = Fail()
+    model = nn.Sequential(nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1), fail, nn.Conv2d(4, 2, 1))
+    full = copy.deepcopy(model[0])
+    pipe = Pipe(model, [2, 2], ["cpu", "cpu"], 4, checkpoint=checkpoint, deferred_batch_norm=True)  # type: ignore[arg-type]
+    deferred = pipe[0]
+    assert isinstance(deferred, DeferredBatchNorm)
+    fail.armed = True
+    with pytest.raises(RuntimeError, match="on purpose"):
+        pipe(exactly_summable_batch(8, 4, seed=9) * 100)
+    fail.armed = False
+    assert deferred.tracked == 2  # micro-batches 0 and 1 passed partition 0
+    for step in range(2):
+        x = exactly_summable_batch(8, 4, seed=step)
+        pipe(x).sum().backward()
+        full(x)
+    assert torch.equal(deferred.num_batches_tracked, full.num_batches_tracked)
+    assert torch.equal(deferred.running_mean, full.running_mean)
+    assert torch.equal(deferred.running_var, full.running_var)
+
+
+def test_deferred_batch_norm_state_dict_loads_into_plain_model_and_back() -> None:
+    """DeferredBatchNorm's sums of the mini-batch under way are not in the state dict, so a
+    Pipe with deferred_batch_norm=True has the plain model's keys (it had extra "1.sum" and
+    "1.sum_squares", and strict loading failed both ways). A state dict that still holds the
+    sums (torchgpipe's, under its own names, or an older remat Pipe's) loads too."""
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(2, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
+
+    torch.manual_seed(0)
+    trained = build()
+    trained(torch.randn(4, 2, 3, 3))
+    pipe = Pipe(build(), [2, 2], ["cpu", "cpu"], chunks=2, deferred_batch_norm=True)
+    assert list(pipe.state_dict()) == list(trained.state_dict())
+    pipe.load_state_dict(trained.state_dict())  # strict
+    plain = build()
+    plain.load_state_dict(pipe.state_dict())  # strict
+    for key, value in trained.state_dict().items():
+        assert torch.equal(pipe.state_dict()[key], value), key
+        assert torch.equal(plain.state_dict()[key], value), key
+    sums = {"1.sum": torch.ones(4), "1.sum_squares": torch.ones(4)}
+    pipe.load_state_dict({**trained.state_dict(), **sums})  # strict
+    torchgpipe = {
+        f"partitions.{0 if k[0] in '01' else 1}.{k}": v
+        for k, v in {**trained.state_dict(), **sums}.items()
+    }
+    pipe.load_state_dict(torchgpipe)  # strict
+    deferred = pipe[1]
+    assert isinstance(deferred, DeferredBatchNorm)
+    assert torch.equal(deferred.sum, torch.zeros(4))
+    assert torch.equal(deferred.running_var, trained[1].running_var)  # type: ignore[arg-type]
+
+
 def test_bad_balance_devices_chunks_and_mode_name_the_values() -> None:
     model = small_unet()
     with pytest.raises(remat.RematError, match=r"balance \[2, 2\] sums to 4.*6 layers.*\[3, 3\]"):

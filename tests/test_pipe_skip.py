@@ -4,6 +4,7 @@ portal ] (remat/pipe/skip/portal.py), with weak references to show when it is fr
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from collections.abc import Iterator
@@ -208,6 +209,176 @@ def test_skip_within_one_partition_needs_no_portal(log: Log) -> None:
     pipe = Pipe(model, balance=[3, 1], devices=["cpu", "cpu"], chunks=2, checkpoint="always")
     pipe(torch.randn(4, 4, requires_grad=True)).sum().backward()
     assert log == []
+
+
+@skippable(stash=["s"])
+class StashMasked(nn.Module):
+    """Takes (mask, h), a mask that needs no grad first: the micro-batch's phony dependencies
+    ride on the mask. Stashes lin(h) and passes both on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> Iterator[Any]:
+        mask, h = inputs
+        h = self.linear(h)
+        yield stash("s", h)
+        return mask, h
+
+
+class Masked(nn.Module):
+    """lin(h) * mask saves the mask only while the mask needs no grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        mask, h = inputs
+        return mask, self.linear(h) * mask
+
+
+@skippable(pop=["s"])
+class PopMasked(nn.Module):
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> Iterator[Any]:
+        _, h = inputs
+        s = yield pop("s")
+        return h + s
+
+
+@skippable(stash=["s"])
+class StashBranch(nn.Module):
+    """Stashes a computed branch and returns its input, which needs no grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Iterator[Any]:
+        yield stash("s", self.linear(x))
+        return x
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+@pytest.mark.parametrize("shape", ["tuple", "tensor"])
+def test_stash_before_a_micro_batch_that_needs_no_grad_recomputes_as_forward(
+    mode: str, shape: str
+) -> None:
+    """The stash joins the micro-batch to a phony that requires grad, so the micro-batch
+    requires grad after it; the recompute of the stashing partition must do the same, or the
+    layers after the stash save other tensors than in forward (it raised CheckpointError:
+    "forward saved 5 tensors; the recompute saved only 4"). Reference: the plain model on the
+    same micro-batches, outputs concatenated, one backward; gradients torch.equal."""
+    torch.manual_seed(0)
+    if shape == "tuple":
+        model = nn.Sequential(StashMasked(), Masked(), PopMasked())
+        inputs: Any = (torch.ones(4, 4), torch.randn(4, 4))
+        pieces = list(zip(*(t.tensor_split(2) for t in inputs), strict=True))
+    else:
+        model = nn.Sequential(StashBranch(), nn.Linear(4, 4), PopAdd())
+        inputs = torch.randn(4, 4)
+        pieces = list(inputs.tensor_split(2))
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=2, checkpoint=mode)  # type: ignore[arg-type]
+    out_ref = torch.cat([ref(piece) for piece in pieces])
+    out_pipe = pipe(inputs)
+    out_ref.square().sum().backward()
+    out_pipe.square().sum().backward()
+    assert torch.equal(out_ref, out_pipe)
+    for (name, p), q in zip(ref.named_parameters(), pipe.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name  # type: ignore[arg-type]
+
+
+@skippable(stash=["s"])
+class StashTanh(nn.Module):
+    """Stashes s = tanh(x): tanh saves its output, so s's grad_fn leads to the region."""
+
+    def __init__(self, refs: list[weakref.ref[torch.Tensor]]) -> None:
+        super().__init__()
+        self.refs = refs
+
+    def forward(self, x: torch.Tensor) -> Iterator[Any]:
+        s = x.tanh()
+        if not remat.is_recomputing():
+            self.refs.append(weakref.ref(s))
+        yield stash("s", s)
+        return x.sin()
+
+
+class Fail(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise RuntimeError("failed on purpose")
+        return x
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+def test_skip_tensors_of_a_forward_without_backward_are_freed(mode: str) -> None:
+    """A forward never backwarded (a loss only logged, a skipped step) or one that raised
+    between stash and pop frees its skip tensors without gc. A checkpointed region keeps its
+    tracker; a tracker that kept the portals of its own stashes made a cycle through autograd
+    nodes (tensor -> grad_fn -> region -> tracker -> portal -> tensor, NOTE [ Which portals a
+    tracker keeps ]) that gc cannot see, and the tensors stayed alive for good. Training
+    afterwards still equals the plain model."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    torch.manual_seed(0)
+    model = nn.Sequential(StashTanh(refs), nn.Linear(4, 4), Fail(), PopThenLinear())
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, balance=[1, 2, 1], devices=["cpu"] * 3, chunks=4, checkpoint=mode)  # type: ignore[arg-type]
+    fail = pipe[2]
+    assert isinstance(fail, Fail)
+    x = torch.randn(8, 4, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        out = pipe(x)
+        del out
+        assert len(refs) == 4
+        assert all(r() is None for r in refs), "skips of a dropped forward outlived it"
+        refs.clear()
+        fail.armed = True
+        with pytest.raises(RuntimeError, match="on purpose"):
+            pipe(x)  # partition 1 fails on micro-batch 0 after partition 0 stashed for 0 and 1
+        fail.armed = False
+        assert len(refs) == 2
+        assert all(r() is None for r in refs), "skips of a forward that raised outlived it"
+        out_pipe = pipe(x)
+        out_pipe.sum().backward()
+        assert gc.collect() == 0, "the forwards left cyclic garbage"
+    finally:
+        gc.enable()
+    xr = x.detach().clone().requires_grad_()
+    out_ref = torch.cat([ref(c) for c in xr.tensor_split(4)])
+    out_ref.sum().backward()
+    assert torch.equal(out_ref, out_pipe)
+    assert torch.equal(xr.grad, x.grad)  # type: ignore[arg-type]
+    for (name, p), q in zip(ref.named_parameters(), pipe.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["except_last", "always"])
+def test_skip_within_a_partition_that_raised_is_freed(mode: str) -> None:
+    """A partition that raises between a stash and its pop in the same partition: the
+    tracker, which the region keeps, must not keep the stashed tensor (a cycle as above)."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    fail = Fail()
+    model = nn.Sequential(StashTanh(refs), fail, PopThenLinear(), nn.Linear(4, 4))
+    pipe = Pipe(model, balance=[3, 1], devices=["cpu"] * 2, chunks=2, checkpoint=mode)  # type: ignore[arg-type]
+    fail.armed = True
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="on purpose"):
+            pipe(torch.randn(4, 4, requires_grad=True))
+        assert len(refs) == 1
+        assert refs[0]() is None, "the skip of a partition that raised outlived it"
+    finally:
+        gc.enable()
 
 
 # -- skippable in a plain Sequential and namespaces -------------------------------------------

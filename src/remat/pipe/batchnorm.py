@@ -11,6 +11,8 @@ variance. A recompute (``remat.is_recomputing()``) accumulates nothing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -40,8 +42,11 @@ class DeferredBatchNorm(_BatchNorm):
         chunks: int = 1,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
-        self.register_buffer("sum", torch.zeros_like(self.running_mean))
-        self.register_buffer("sum_squares", torch.zeros_like(self.running_var))
+        # The sums of the mini-batch under way are state of one step, not of the model: they
+        # stay out of the state dict, which then has the keys of a plain BatchNorm, so that
+        # the state dicts of a Pipe and of the plain model load into each other.
+        self.register_buffer("sum", torch.zeros_like(self.running_mean), persistent=False)
+        self.register_buffer("sum_squares", torch.zeros_like(self.running_var), persistent=False)
         self.counter = 0
         self.tracked = 0
         self.chunks = chunks
@@ -94,6 +99,25 @@ class DeferredBatchNorm(_BatchNorm):
         self.counter = 0
         self.tracked = 0
 
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # torchgpipe's DeferredBatchNorm (and remat's before the sums left the state dict)
+        # saved the sums as buffers: such a state dict loads, its sums dropped (between steps
+        # they are zero).
+        for name in ("sum", "sum_squares"):
+            state_dict.pop(prefix + name, None)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
         if not self.training:
@@ -128,7 +152,8 @@ class DeferredBatchNorm(_BatchNorm):
 
         A :class:`DeferredBatchNorm` is kept (the same module) with its ``chunks`` changed: one
         left at an earlier ``chunks`` would commit its statistics several times per
-        mini-batch. Sums of an unfinished mini-batch (a forward that raised) are dropped.
+        mini-batch. Sums of an unfinished mini-batch (a forward that raised) are dropped, as
+        :class:`~remat.pipe.Pipe` drops them at the start of each forward.
         """
         if isinstance(module, DeferredBatchNorm):
             module.chunks = chunks

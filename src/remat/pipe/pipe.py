@@ -176,6 +176,12 @@ class Pipe(nn.Module):
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         input = check_input(input, "Pipe")
         batches = scatter(input, self.chunks, "Pipe")
+        # Each call is one mini-batch of `chunks` micro-batches. Sums that a DeferredBatchNorm
+        # holds now come from a forward that raised part way: kept, they would move every
+        # later commit of the running statistics off the mini-batches' boundaries.
+        for layer in self.modules():
+            if isinstance(layer, DeferredBatchNorm) and layer.tracked:
+                layer._restart()
         checkpointing = self.training and torch.is_grad_enabled() and not _state.state.disabled
         stop = checkpoint_stop(self.checkpoint, self.chunks) if checkpointing else 0
         self._pipeline.run(batches, stop)

@@ -18,7 +18,7 @@ Each task of a clock, in ``Pipeline.fence`` and ``Pipeline.compute``:
           v
     batches[i] ──[1] join──[2] copy to devices[j]──[3] partition j ──> batches[i]
                                                   (a region if i < checkpoint_stop,
-                                                   under micro-batch i's skip tracker)
+                                                   under task (i, j)'s skip tracker)
 
 [1] ``depend``: a phony forked from micro-batch ``i - 1`` where it leaves partition ``j`` is
     joined to micro-batch ``i`` where it enters partition ``j``. In backward, micro-batch
@@ -53,7 +53,8 @@ from torch import nn
 from ..checkpoint import RegionOptions, run_region
 from .dependency import depend
 from .microbatch import Batch, TensorOrTensors
-from .skip.layout import SkipLayout
+from .skip.layout import Key, SkipLayout
+from .skip.portal import Portal
 from .skip.tracker import SkipTrackerThroughPortals, use_skip_tracker
 
 __all__: list[str] = []
@@ -80,9 +81,15 @@ def run_partition(
     *inputs: torch.Tensor,
 ) -> TensorOrTensors:
     """One task's work, the same in forward and in the recompute: the partition under the
-    micro-batch's skip tracker."""
-    with use_skip_tracker(tracker):
-        out: TensorOrTensors = partition(inputs[0] if atomic else inputs)
+    task's skip tracker."""
+    try:
+        with use_skip_tracker(tracker):
+            out: TensorOrTensors = partition(inputs[0] if atomic else inputs)
+    finally:
+        # Skips stashed and popped inside the partition are popped by now, unless the run
+        # raised or a recompute stopped early; a tensor left behind would keep, through its
+        # grad_fn, the region that keeps this tracker (NOTE [ Which portals a tracker keeps ]).
+        tracker.tensors.clear()
     return out
 
 
@@ -103,13 +110,18 @@ class Pipeline:
 
     def run(self, batches: list[Batch], stop: int) -> None:
         """Replace each micro-batch by the last partition's output for it."""
-        trackers = [
-            SkipTrackerThroughPortals(self.layout, checkpointed=i < stop)
-            for i in range(len(batches))
-        ]
-        for schedule in clock_cycles(len(batches), len(self.partitions)):
-            self.fence(batches, schedule)
-            self.compute(batches, schedule, trackers, stop)
+        # Per micro-batch, the portals stashed and not popped yet (NOTE [ Which portals a
+        # tracker keeps ] in skip/tracker.py). All are popped when the forward ends; after one
+        # that raised, those left would keep their tensors, and the regions that stashed them,
+        # alive for good.
+        waiting: list[dict[Key, Portal]] = [{} for _ in batches]
+        try:
+            for schedule in clock_cycles(len(batches), len(self.partitions)):
+                self.fence(batches, schedule)
+                self.compute(batches, schedule, waiting, stop)
+        finally:
+            for portals in waiting:
+                portals.clear()
 
     def fence(self, batches: list[Batch], schedule: list[tuple[int, int]]) -> None:
         for i, j in schedule:
@@ -125,14 +137,13 @@ class Pipeline:
         self,
         batches: list[Batch],
         schedule: list[tuple[int, int]],
-        trackers: list[SkipTrackerThroughPortals],
+        waiting: list[dict[Key, Portal]],
         stop: int,
     ) -> None:
         for i, j in schedule:  # [3]
             batch = batches[i]
-            function = functools.partial(
-                run_partition, self.partitions[j], trackers[i], batch.atomic
-            )
+            tracker = SkipTrackerThroughPortals(self.layout, i < stop, waiting[i])
+            function = functools.partial(run_partition, self.partitions[j], tracker, batch.atomic)
             if i < stop:
                 out = run_region(function, batch.tensors, {}, self.options)
             else:

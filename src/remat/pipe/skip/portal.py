@@ -39,7 +39,10 @@ and every node of ``b`` that depends on the micro-batch runs before backward lea
 that backward still needs, and when nothing after the pop is needed the recompute stops before
 it. Then ``s`` is dropped at [6], at the end of the stash's backward, instead of at [3]. Nothing
 else holds ``s``: PortalBlue and PortalOrange save no tensor, so a skip tensor that is not also
-saved by an operator is freed at [2] (plain) or at [3] or [6] (checkpointed).
+saved by an operator is freed at [2] (plain) or at [3] or [6] (checkpointed). A forward that
+is never backwarded frees ``s`` with its graph: the trackers that a checkpointed micro-batch's
+regions keep hold only portals popped from earlier partitions (NOTE [ Which portals a tracker
+keeps ] in ``tracker.py``), so no reference cycle keeps the portal.
 
 Retrieving ``s`` after its life is over (a second backward with ``retain_graph=True`` through a
 checkpointed micro-batch) raises :class:`~remat.RematError`.

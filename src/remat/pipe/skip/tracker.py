@@ -1,10 +1,10 @@
 """The skip tracker: where stashed tensors wait until they are popped, per thread.
 
 Outside a pipeline the current thread's :class:`SkipTracker` keeps them in a dictionary, so a
-skippable model runs as a plain ``nn.Sequential``. A pipeline gives each micro-batch a
-:class:`SkipTrackerThroughPortals` and installs it with :func:`use_skip_tracker` around every
-partition it runs, the recompute of a checkpointed partition included; skips that cross
-partitions then go through portals (see NOTE [ Life of a tensor through a portal ]).
+skippable model runs as a plain ``nn.Sequential``. A pipeline gives each task (a micro-batch
+in a partition) a :class:`SkipTrackerThroughPortals` and installs it with
+:func:`use_skip_tracker` around the task's run and its recompute; skips that cross partitions
+then go through portals (see NOTE [ Life of a tensor through a portal ]).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from ..._state import is_recomputing
 from ...errors import RematError
-from ..dependency import fork, join
+from ..dependency import fork, join, phony
 from ..microbatch import Batch
 from .namespace import DEFAULT, Namespace
 from .portal import Portal
@@ -56,40 +55,71 @@ class SkipTracker:
 
 
 class SkipTrackerThroughPortals(SkipTracker):
-    """The tracker of one micro-batch in a :class:`~remat.pipe.Pipe`.
+    """The tracker of one task of a :class:`~remat.pipe.Pipe`: one micro-batch in one partition.
 
     ``checkpointed`` says whether the micro-batch's partitions run in checkpointed regions,
-    which decides how many times a portal hands its tensor out.
+    which decides how many times a portal hands its tensor out. ``waiting`` holds the portals
+    that the micro-batch's tasks stashed and no task has popped yet; the pipeline shares it
+    between the micro-batch's tasks and empties it when its forward ends.
+
+    NOTE [ Which portals a tracker keeps ]
+
+    A checkpointed task's tracker lives as long as the task's region, whose frame keeps the
+    function to recompute, and the region lives as long as the autograd nodes that saved
+    tensors in it. A tensor stashed in the task leads through its ``grad_fn`` to those nodes.
+    So if the tracker kept the portals of its own stashes (which keep the tensors), the region
+    would keep itself alive through C++ autograd nodes, a reference cycle the garbage collector
+    does not see: the skip tensors of a forward that is never backwarded would never be freed.
+    A tracker keeps instead what its recompute needs: the portals it popped, which earlier
+    tasks stashed (their tensors' graphs reach earlier regions only, never back to this one),
+    and, for each skip it stashed, whether the micro-batch was joined to a phony that requires
+    grad. A portal waits between stash and pop in ``waiting``, which every task's forward
+    shares and nothing keeps after the pipeline's forward: by then every portal was popped,
+    and after a forward that raised the pipeline drops the rest.
     """
 
-    def __init__(self, layout: SkipLayout, checkpointed: bool) -> None:
+    def __init__(self, layout: SkipLayout, checkpointed: bool, waiting: dict[Key, Portal]) -> None:
         super().__init__()
         self.layout = layout
         self.checkpointed = checkpointed
-        self.portals: dict[Key, Portal] = {}
+        self.waiting = waiting
+        self.popped: dict[Key, Portal] = {}
+        self.stashed: dict[Key, bool] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Tensor | None) -> None:
         if not self.layout.requires_portal(ns, name):
             super().save(batch, ns, name, tensor)
             return
         key = (ns, name)
-        if key in self.portals and is_recomputing():
+        i = batch.find_tensor_idx()
+        if key in self.stashed:
             # Event [5]: the recompute of the stashing partition; the portal already gave its
             # tensor out, and the stashed tensor's gradient flows through the forward graph.
+            # The micro-batch is joined all the same, to a phony that requires grad when the
+            # forward's did: the join makes the micro-batch require grad, and operators after
+            # it save other tensors when an input requires grad (a product saves the factor
+            # that needs no grad only then), so the recompute must see what forward saw.
+            needs_grad = self.stashed[key]
+            batch[i] = join(batch[i], phony(batch[i].device, requires_grad=needs_grad))
             return
         # Event [1]. A checkpointed micro-batch pops twice: in forward, and when the popping
         # partition is recomputed.
         portal = Portal(tensor, tensor_life=2 if self.checkpointed else 1, name=name)
-        self.portals[key] = portal
-        i = batch.find_tensor_idx()
-        batch[i] = join(batch[i], portal.blue())
+        self.waiting[key] = portal
+        blue = portal.blue()
+        self.stashed[key] = blue.requires_grad
+        batch[i] = join(batch[i], blue)
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Tensor | None:
         if not self.layout.requires_portal(ns, name):
             return super().load(batch, ns, name)
+        key = (ns, name)
+        portal = self.popped.get(key)
+        if portal is None:  # forward; the recompute finds the portal here again
+            portal = self.popped[key] = self.waiting.pop(key)
         i = batch.find_tensor_idx()
-        batch[i], phony = fork(batch[i])
-        return self.portals[(ns, name)].orange(phony)
+        batch[i], p = fork(batch[i])
+        return portal.orange(p)
 
 
 class _Local(threading.local):
