@@ -72,7 +72,9 @@ def offload(modules: list[nn.Module], tmp_path: Path, **options: Any) -> Offload
     options.setdefault("device", "cpu")
     options.setdefault("offload_device", "disk")
     options.setdefault("num_slices", 3)
-    return OffloadModel(modules, disk_directory=tmp_path, **options)
+    if options["offload_device"] == "disk":
+        options["disk_directory"] = tmp_path
+    return OffloadModel(modules, **options)
 
 
 def files_in(path: Path) -> list[Path]:
@@ -547,6 +549,122 @@ def test_create_graph_is_refused(tmp_path: Path) -> None:
         torch.autograd.grad(model(x).sum(), x, create_graph=True)
 
 
+def tiny_modules() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2)]
+
+
+def param_grads(model: OffloadModel) -> dict[str, torch.Tensor | None]:
+    return {n: None if g is None else g.clone() for n, g in model.named_grads()}
+
+
+@pytest.mark.parametrize("offload_device", ["cpu", "disk"])
+@pytest.mark.parametrize("checkpoint_activation", [True, False])
+def test_autograd_grad_and_backward_inputs_leave_parameter_grads(
+    offload_device: str, checkpoint_activation: bool, tmp_path: Path
+) -> None:
+    """Reference: the plain modules on the same two micro-batches. ``autograd.grad(loss, [x])``
+    and ``loss.backward(inputs=[x])`` give x's gradient and leave every parameter's gradient as
+    it was (None before any backward, the accumulated value after one); a plain backward after
+    them accumulates exactly as plain."""
+    plain = tiny_modules()
+    model = offload(
+        tiny_modules(),
+        tmp_path,
+        offload_device=offload_device,
+        num_slices=3,
+        num_microbatches=2,
+        checkpoint_activation=checkpoint_activation,
+    )
+    reference = nn.Sequential(*plain)
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def plain_loss() -> torch.Tensor:
+        return reference_forward(plain, model.slice_ranges, x, 2).square().sum()
+
+    expected = torch.autograd.grad(plain_loss(), [x])
+    assert torch.equal(torch.autograd.grad(model(x).square().sum(), [x])[0], expected[0])
+    assert all(g is None for g in param_grads(model).values())
+
+    plain_loss().backward()
+    model(x).square().sum().backward()
+    assert_grads_equal(reference, model)
+    before = param_grads(model)
+
+    x.grad = None
+    plain_loss().backward(inputs=[x])
+    expected_x = x.grad
+    x.grad = None
+    model(x).square().sum().backward(inputs=[x])
+    assert x.grad is not None and expected_x is not None and torch.equal(x.grad, expected_x)
+    assert torch.equal(
+        torch.autograd.grad(model(x).square().sum(), [x])[0],
+        torch.autograd.grad(plain_loss(), [x])[0],
+    )
+    after = param_grads(model)
+    assert after.keys() == before.keys()
+    for name, g in before.items():
+        got = after[name]
+        assert g is not None and got is not None and torch.equal(got, g), name
+
+    plain_loss().backward()
+    model(x).square().sum().backward()
+    assert_grads_equal(reference, model)
+
+
+def test_backward_inputs_naming_parameters_computes_only_those(tmp_path: Path) -> None:
+    """Reference: the plain modules, ``backward(inputs=[last layer's weight])``: that weight's
+    gradient alone is written (by the last slice, which commits since no earlier slice runs);
+    ``autograd.grad`` over a parameter, whose gradient OffloadModel cannot hand back, is a
+    clear error that leaves every gradient as it was."""
+    plain = tiny_modules()
+    model = OffloadModel(tiny_modules(), device="cpu", offload_device="cpu", num_slices=3)
+    x = torch.randn(4, 4)
+    nn.Sequential(*plain)(x).square().sum().backward(inputs=[plain[3].weight])
+    weight = dict(model.named_parameters())["module.3.weight"]
+    model(x).square().sum().backward(inputs=[weight])
+    assert weight.grad is not None and plain[3].weight.grad is not None
+    assert torch.equal(weight.grad, plain[3].weight.grad)
+    assert [n for n, p in model.named_parameters() if p.grad is not None] == ["module.3.weight"]
+
+    with pytest.raises(RematError, match=r"autograd\.grad .* parameter '3\.weight'"):
+        torch.autograd.grad(model(x).square().sum(), [weight])
+    assert torch.equal(weight.grad, plain[3].weight.grad)
+    assert [n for n, p in model.named_parameters() if p.grad is not None] == ["module.3.weight"]
+
+
+def test_parameter_gradient_hooks_are_refused(tmp_path: Path) -> None:
+    """A tensor hook would run on each micro-batch's part of a gradient and a post-accumulate
+    hook never: a parameter carrying either is refused at forward, and at backward when the
+    hook came after forward (the gradients stay as they were); without it, training works."""
+    model = OffloadModel(
+        tiny_modules(),
+        device="cpu",
+        offload_device="cpu",
+        num_slices=2,
+        num_microbatches=2,
+        checkpoint_activation=True,
+    )
+    x = torch.randn(4, 4)
+    weight = dict(model.named_parameters())["module.2.weight"]
+    handle = weight.register_hook(lambda g: g.clamp(-0.05, 0.05))
+    with pytest.raises(RematError, match=r"found register_hook on '2\.weight'.*handle\.remove"):
+        model(x)
+    handle.remove()
+    handle = weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(RematError, match=r"found register_post_accumulate_grad_hook on '2\.w"):
+        model(x)
+    handle.remove()
+    loss = model(x).square().sum()
+    handle = weight.register_hook(lambda g: g.clamp(-0.05, 0.05))
+    with pytest.raises(RematError, match=r"found register_hook on '2\.weight'"):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    handle.remove()
+    model(x).square().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_no_grad_forward_equals_plain(tmp_path: Path) -> None:
     """Reference: the plain GPT in eval mode under no_grad, on the same micro-batches."""
     plain = GPT.model(0).eval()
@@ -585,6 +703,15 @@ def test_slices_balance_parameter_bytes(tmp_path: Path) -> None:
         ({"num_slices": 1.5}, "num_slices to be an int"),
         ({"num_microbatches": 0}, "num_microbatches to be at least 1"),
         ({"checkpoint_activation": "yes"}, "checkpoint_activation=True or False"),
+        (
+            {"disk_directory": "/nonexistent/zz"},
+            "disk_directory only with offload_device='disk', found disk_directory="
+            "'/nonexistent/zz' with offload_device='cpu'",
+        ),
+        (
+            {"disk_directory": "/nonexistent/zz", "offload_device": torch.device("cpu")},
+            "disk_directory only with offload_device='disk'",
+        ),
     ],
 )
 def test_bad_arguments(options: dict[str, Any], match: str, tmp_path: Path) -> None:

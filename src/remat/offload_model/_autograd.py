@@ -6,6 +6,40 @@ brings the slice back, computes the gradients of its input and parameters micro-
 micro-batch, and sends the parameter gradients to the offload device. A :class:`Pass` holds what
 the backward of the slices needs; the nodes hold the pass, so it lives as long as the graph.
 See NOTE [ Life of a slice in one training step ] in ``_model.py``.
+
+NOTE [ Which gradients a backward computes ]
+
+Plain autograd writes ``param.grad`` only in a backward that asks for it: ``loss.backward()``
+asks for every leaf, ``loss.backward(inputs=[x])`` and ``torch.autograd.grad(loss, [x])`` for
+``x`` alone (gradient penalties and saliency maps rely on the parameters' gradients staying as
+they were). A slice computes its parameters' gradients itself, so it must ask the engine which
+of them the running backward wants:
+
+1. The trainable parameters of a slice are inputs of its node, so that their
+   ``AccumulateGrad`` nodes are in the graph; the node returns None for them (the slice stores
+   the gradients itself, summed over micro-batches), and ``AccumulateGrad`` does nothing with
+   None. ``torch._C._will_engine_execute_node`` on each parameter's node says whether this
+   backward asks for it: always in ``loss.backward()``, for the parameters named in
+   ``backward(inputs=...)``, never in ``autograd.grad(loss, [x])``. Only the asked gradients
+   are computed and committed; with none asked and no input gradient needed, the slice is not
+   even brought in.
+2. ``autograd.grad`` over a parameter would capture its gradient from the node's output, which
+   is None: the engine refuses the question for such a captured leaf, and the slice raises a
+   ``RematError`` instead of returning nothing.
+3. The gradients are committed by the last slice the backward runs through: slice 0, or the
+   first slice whose predecessor the engine will not run (``backward(inputs=...)`` naming
+   parameters of later slices only).
+4. Being an ``AccumulateGrad`` input with None also makes torch call a parameter's tensor hooks
+   with None, and its gradient never passes through ``AccumulateGrad``: parameters with
+   ``register_hook`` or ``register_post_accumulate_grad_hook`` hooks are refused
+   (``refuse_hooks``), at forward and again at backward.
+5. The pass's ``dummy`` input keeps every slice's node in ``loss.backward()``'s graph when the
+   model's input needs no gradient and a slice has no trainable parameter, so that slice 0
+   still runs and commits.
+
+On a CUDA compute device a parameter's ``AccumulateGrad`` node changes when the slice moves it
+there (torch forgets it on a change of device), so ``backward(inputs=[param])`` does not find
+the parameter in the graph; ``loss.backward()`` and backwards over inputs are unaffected.
 """
 
 from __future__ import annotations
@@ -39,7 +73,7 @@ class _Kept:
 
     output: GradientEdge | None  # None when nothing in the slice requires grad
     source: GradientEdge | None  # where the micro-batch entered; None if it needs no grad
-    params: list[GradientEdge]  # of the trainable parameters, in slice order
+    params: dict[int, GradientEdge]  # of the trainable parameters, by position in the slice
 
 
 @dataclass(frozen=True)
@@ -180,7 +214,7 @@ class Pass:
             _Kept(
                 output=get_gradient_edge(out) if out.requires_grad else None,
                 source=get_gradient_edge(src) if input_grad else None,
-                params=[get_gradient_edge(p) for p in sl.params if p.requires_grad],
+                params={i: get_gradient_edge(sl.params[i]) for i in trainable(sl)},
             )
         )
         return out.detach()
@@ -188,9 +222,13 @@ class Pass:
     # -- backward --------------------------------------------------------------------------
 
     def backward_slice(
-        self, index: int, grad: torch.Tensor, input_grad: bool
+        self, index: int, grad: torch.Tensor, input_grad: bool, asked: list[int]
     ) -> torch.Tensor | None:
+        """The gradient of the slice's input (if ``input_grad``); the gradients of the
+        parameters at positions ``asked`` go to ``self.pending``, the others are not computed
+        (NOTE [ Which gradients a backward computes ])."""
         sl = self.slices[index]
+        refuse_hooks(sl)
         if not self.inputs[index] and not self.kept[index]:
             raise RematError(
                 f"remat: OffloadModel expected the stored activations of slice {index} for "
@@ -199,27 +237,29 @@ class Pass:
                 "forward failed. Run forward again, or use checkpoint_activation=True to run "
                 "backward twice over one forward."
             )
-        if index > 0:
-            self.slices[index - 1].prefetch(self.device)
-        with internal():
-            trainable = [i for i, p in enumerate(sl.params) if p.requires_grad]
         acc: list[torch.Tensor | None] = [None] * len(sl.params)
         chunks: tuple[torch.Tensor, ...] = (grad,)
         if self.microbatches > 1:
             chunks = grad.split(self.rows[index])  # type: ignore[no-untyped-call]
         input_grads: list[torch.Tensor | None] = [None] * self.microbatches
+        if not asked and not input_grad:
+            # Nothing of this slice is asked for: no need to bring it in and rerun it.
+            self.free_kept(index)
+            return None
+        if index > 0:
+            self.slices[index - 1].prefetch(self.device)
         with sl.on(self.device):
             # Micro-batches in reverse: the order in which autograd accumulates the gradients
             # of the reference run (see [ Life of a slice in one training step ] step 5).
             for m in reversed(range(self.microbatches)):
                 if self.keep:
-                    g_input, g_params = self._backward_kept(index, m, chunks[m], input_grad)
+                    g_input, g_params = self._backward_kept(index, m, chunks[m], input_grad, asked)
                 else:
                     g_input, g_params = self._backward_recomputed(
-                        sl, m, chunks[m], input_grad, trainable
+                        sl, m, chunks[m], input_grad, asked
                     )
                 input_grads[m] = g_input
-                for position, g in zip(trainable, g_params, strict=True):
+                for position, g in zip(asked, g_params, strict=True):
                     if g is not None:
                         previous = acc[position]
                         acc[position] = g if previous is None else previous + g
@@ -231,8 +271,7 @@ class Pass:
                     for o, a in zip(old, acc, strict=True)
                 ]
                 self.pending[index] = sl.store_grads(total)
-        if self.keep:
-            self.kept[index] = None
+        self.free_kept(index)
         if not input_grad:
             return None
         parts = [
@@ -241,8 +280,14 @@ class Pass:
         ]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
+    def free_kept(self, index: int) -> None:
+        """A kept slice graph is freed by the backward that ran through it, as autograd
+        frees a graph (retain_graph=False)."""
+        if self.keep:
+            self.kept[index] = None
+
     def _backward_recomputed(
-        self, sl: Slice, m: int, grad: torch.Tensor, input_grad: bool, trainable: list[int]
+        self, sl: Slice, m: int, grad: torch.Tensor, input_grad: bool, asked: list[int]
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         inputs = self.inputs[sl.index]
         if m > 0:
@@ -269,22 +314,27 @@ class Pass:
                     "would be wrong. Keep the module that reads and updates this buffer out of "
                     "the offloaded layers, or use checkpoint_activation=False."
                 )
-            wanted: list[torch.Tensor] = [sl.params[i] for i in trainable]
+            # A parameter that stopped requiring grad after forward cannot be differentiated
+            # in the rerun: it gets no gradient.
+            rerun = [i for i in asked if sl.params[i].requires_grad]
+            wanted: list[torch.Tensor] = [sl.params[i] for i in rerun]
             if input_grad:
                 wanted.insert(0, xm)
-            return _grads(out if out.requires_grad else None, wanted, grad, input_grad)
+            g_input, found = _grads(out if out.requires_grad else None, wanted, grad, input_grad)
+            by_position = dict(zip(rerun, found, strict=True))
+            return g_input, [by_position.get(i) for i in asked]
         finally:
             # After the rerun's backward, which checks the versions of the buffers it saved.
             if undo is not None:
                 undo.close()
 
     def _backward_kept(
-        self, index: int, m: int, grad: torch.Tensor, input_grad: bool
+        self, index: int, m: int, grad: torch.Tensor, input_grad: bool, asked: list[int]
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         kept = self.kept[index]
         assert kept is not None
         graph = kept[m]
-        wanted: list[GradientEdge] = list(graph.params)
+        wanted: list[GradientEdge] = [graph.params[i] for i in asked]
         if input_grad:
             assert graph.source is not None
             wanted.insert(0, graph.source)
@@ -349,7 +399,7 @@ def _grads(
     input_grad: bool,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """Gradients of ``wanted`` (input first when ``input_grad``), then split off the input's."""
-    if output is None:
+    if output is None or not wanted:
         found: list[torch.Tensor | None] = [None] * len(wanted)
     else:
         outputs: list[Any] = [output]
@@ -379,18 +429,23 @@ def checked(out: object, sl: Slice, microbatches: int) -> torch.Tensor:
 
 
 class _SliceFunction(torch.autograd.Function):
-    """One slice as one autograd node: see the module docstring."""
+    """One slice as one autograd node: see the module docstring. Its inputs are the pass, the
+    slice's index, the pass's dummy, the slice's input and the slice's trainable parameters;
+    the parameters are there only to be asked about (NOTE [ Which gradients a backward
+    computes ]): the node returns no gradient for them."""
 
     @staticmethod
     def forward(
-        ctx: Any, run: Pass, index: int, dummy: torch.Tensor, x: torch.Tensor
+        ctx: Any, run: Pass, index: int, dummy: torch.Tensor, x: torch.Tensor, *params: Any
     ) -> torch.Tensor:
         ctx.run = run
         ctx.index = index
+        ctx.positions = trainable(run.slices[index])
+        assert len(ctx.positions) == len(params)
         return run.forward_slice(index, x, bool(ctx.needs_input_grad[3]))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, torch.Tensor | None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         run: Pass = ctx.run
         if torch.is_grad_enabled():
             run.release()
@@ -400,20 +455,83 @@ class _SliceFunction(torch.autograd.Function):
                 "backward() without create_graph."
             )
         try:
-            input_grad = run.backward_slice(ctx.index, grad, bool(ctx.needs_input_grad[3]))
-            if ctx.index == 0:
+            asked = _asked(ctx, run.slices[ctx.index])
+            input_grad = run.backward_slice(ctx.index, grad, bool(ctx.needs_input_grad[3]), asked)
+            # The last slice this backward runs through commits: slice 0, or the first slice
+            # whose input's node (the slice before) the engine will not run, as in a
+            # backward(inputs=[...]) that asks for parameters of later slices only.
+            previous = ctx.next_functions[1][0]  # one entry per tensor input: dummy, x, params
+            if ctx.index == 0 or not torch._C._will_engine_execute_node(previous):
                 run.commit()
         except BaseException:
             run.drop_pending()  # gradients stay as they were before this backward
             raise
-        return None, None, None, input_grad
+        return (None, None, None, input_grad, *([None] * len(ctx.positions)))
+
+
+def trainable(sl: Slice) -> list[int]:
+    """Positions of the slice's parameters that require grad."""
+    with internal():  # parked parameters raise on every touch but this one
+        return [i for i, p in enumerate(sl.params) if p.requires_grad]
+
+
+def _asked(ctx: Any, sl: Slice) -> list[int]:
+    """Positions of the parameters whose gradient the running backward asks for: NOTE [ Which
+    gradients a backward computes ]."""
+    asked = []
+    for position, (node, _) in zip(ctx.positions, ctx.next_functions[2:], strict=True):
+        try:
+            will_run = torch._C._will_engine_execute_node(node)
+        except RuntimeError:
+            # Raised for a leaf's node that autograd.grad captures instead of running.
+            raise RematError(
+                f"remat: OffloadModel expected torch.autograd.grad to ask for gradients of "
+                f"tensors outside the model (its input, say), found it asking for the "
+                f"gradient of parameter {sl.names[position]!r}: OffloadModel computes "
+                "parameter gradients itself, slice by slice, and hands them to param.grad, "
+                "not to autograd.grad. Call loss.backward(), or loss.backward(inputs=[...]) "
+                "naming the parameters, and read param.grad."
+            ) from None
+        if will_run:
+            asked.append(position)
+    return asked
+
+
+def refuse_hooks(sl: Slice) -> None:
+    """Refuse gradient hooks on the slice's parameters: torch would run a tensor hook on each
+    micro-batch's part of the gradient (in the slice's own ``autograd.grad``) and once more
+    with None (the node returns no gradient for the parameters), and never a post-accumulate
+    hook, since the gradient is stored by the slice, not by ``AccumulateGrad``."""
+    with internal():
+        for name, p in zip(sl.names, sl.params, strict=True):
+            kinds = [
+                kind
+                for kind, hooks in (
+                    ("register_hook", p._backward_hooks),
+                    ("register_post_accumulate_grad_hook", p._post_accumulate_grad_hooks),
+                )
+                if hooks
+            ]
+            if kinds:
+                raise RematError(
+                    f"remat: OffloadModel expected parameters without gradient hooks, found "
+                    f"{' and '.join(kinds)} on {name!r}: OffloadModel sums each parameter's "
+                    "gradient over micro-batches and stores it on the offload device itself, "
+                    "so torch would run such a hook on partial gradients, or never. Remove "
+                    "the hook (handle.remove()) and apply it to the gradients after backward "
+                    "(param.grad, or model.named_grads() with offload_device='disk'), or keep "
+                    "this module out of the OffloadModel."
+                )
 
 
 def run_slices(run: Pass, x: torch.Tensor) -> torch.Tensor:
     """The forward pass through every slice, recorded as one node per slice."""
     try:
         for sl in run.slices:
-            x = _SliceFunction.apply(run, sl.index, run.dummy, x)  # type: ignore[no-untyped-call]
+            refuse_hooks(sl)
+        for sl in run.slices:
+            params = [sl.params[i] for i in trainable(sl)]
+            x = _SliceFunction.apply(run, sl.index, run.dummy, x, *params)  # type: ignore[no-untyped-call]
     except BaseException:
         run.release()
         raise

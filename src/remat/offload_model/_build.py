@@ -75,6 +75,17 @@ def _offload_device(value: object) -> OffloadDevice:
     return value  # type: ignore[return-value]
 
 
+def _check_disk_directory(value: object, offload_device: OffloadDevice) -> None:
+    # Only the disk tier has a directory: one given with "cpu" would be ignored, and a user
+    # who meant the disk would find the host memory full instead.
+    if value is not None and offload_device != "disk":
+        raise RematError(
+            f"remat: OffloadModel expected disk_directory only with offload_device='disk', "
+            f"found disk_directory={value!r} with offload_device={offload_device!r}, which "
+            "writes nothing to disk. Drop disk_directory, or pass offload_device='disk'."
+        )
+
+
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         hint = did_you_mean(value, choices) if isinstance(value, str) else ""

@@ -33,7 +33,11 @@ NOTE [ OffloadModel design ]
    parameters (``torch.autograd.grad``, never ``AccumulateGrad``) and sums them in reverse
    micro-batch order, which is the order in which autograd sums them in the reference run; then
    ``new = old + sum`` as ``AccumulateGrad`` does, stored on the offload device: on
-   ``param.grad`` with ``"cpu"`` (host tensors), in files with ``"disk"``.
+   ``param.grad`` with ``"cpu"`` (host tensors), in files with ``"disk"``. Only the gradients
+   the running backward asks for are computed: none in ``torch.autograd.grad(loss, [x])`` or
+   ``loss.backward(inputs=[x])``, as plain autograd; and since ``AccumulateGrad`` never sees
+   them, parameters with gradient hooks are refused (NOTE [ Which gradients a backward
+   computes ] in ``_autograd.py``).
 6. The reference that gradients equal bit for bit: the same modules run plainly on the same
    micro-batches in the same slice-major order, outputs concatenated::
 
@@ -104,6 +108,7 @@ from . import _checkpoint
 from ._autograd import Pass, checked, run_slices
 from ._build import (
     _check_disk_available,
+    _check_disk_directory,
     _check_int,
     _device,
     _make_slices,
@@ -138,7 +143,7 @@ class OffloadModel(nn.Module):
         checkpoint_activation: keep only the slices' inputs and rerun each slice in backward
             (True), or keep every activation the slices save, on the offload device (False).
         disk_directory: where the disk tier makes its private directory (default: the system's
-            temporary directory).
+            temporary directory); only with ``offload_device="disk"``.
 
     A training step::
 
@@ -175,6 +180,7 @@ class OffloadModel(nn.Module):
         modules = _modules(model)
         self.device = _device(device)
         offload_device = _offload_device(offload_device)
+        _check_disk_directory(disk_directory, offload_device)
         _check_int("num_slices", num_slices, 1, len(modules), "the number of modules")
         _check_int("num_microbatches", num_microbatches, 1, None, "")
         if not isinstance(checkpoint_activation, bool):

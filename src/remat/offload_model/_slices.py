@@ -3,7 +3,7 @@
 A :class:`Slice` owns the offloaded copies of its parameters, of their gradients and of its
 optimizer's state, each as one bundle (``_stored.py``), and moves them in and out. While a
 slice is offloaded its parameters read as the host copies (``offload_device="cpu"``) or as
-empty stand-ins that raise when used (``"disk"``, NOTE [ Stand-ins that raise ] in
+stand-ins without memory that raise when used (``"disk"``, NOTE [ Stand-ins that raise ] in
 ``_stand_ins.py``); its buffers wait in host memory. Gradients live on ``param.grad`` with
 ``"cpu"`` (where optimizers and ``clip_grad_norm_`` look), in a bundle with ``"disk"``.
 """

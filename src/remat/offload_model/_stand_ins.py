@@ -5,9 +5,11 @@ NOTE [ Stand-ins that raise ]
 With ``offload_device="disk"`` the parameters, gradients and optimizer state of a slice live in
 files; the ``nn.Parameter`` objects (which ``model.parameters()``, ``named_parameters()``,
 ``model.module.state_dict()`` and a parent module reach) and the per-slice optimizers' state
-hold empty stand-ins. A stand-in that *reads* as an empty tensor makes every user path silently
-do nothing: an optimizer over ``model.parameters()`` finds no gradient and skips, a checkpoint
-of ``model.module.state_dict()`` saves shape-``(0,)`` tensors, ``clip_grad_norm_`` reads 0.
+hold stand-ins without memory (a parameter's: one element expanded to its shape, see
+``_DiskStored.resident``; a state tensor's: empty). A stand-in that *reads* as a tensor makes
+every user path silently do nothing or worse: an optimizer over ``model.parameters()`` finds no
+gradient and skips, a checkpoint of ``model.module.state_dict()`` saves placeholder values,
+``clip_grad_norm_`` reads 0.
 
 So a stand-in raises on use. While its slice is offloaded, a parameter's class is swapped for
 a subclass (:func:`park`) whose ``__torch_function__`` raises :data:`MESSAGE`, and an optimizer

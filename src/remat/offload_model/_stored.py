@@ -104,7 +104,11 @@ class _DiskStored(Stored):
         self.tier.prefetch(self.ticket, device)
 
     def resident(self) -> list[torch.Tensor]:
-        return [torch.empty(0, dtype=e.dtype) for e in self.entries]
+        # One element, expanded to the tensor's shape: no memory, but the shape autograd
+        # records for a parameter's AccumulateGrad node when the parameter enters a slice's
+        # node while offloaded (NOTE [ Which gradients a backward computes ] in _autograd.py),
+        # which the slice's own backward then checks its gradients against.
+        return [torch.empty((), dtype=e.dtype).expand(e.shape) for e in self.entries]
 
     def stand_ins(self) -> list[torch.Tensor]:
         return [stand_in(e.dtype) for e in self.entries]
