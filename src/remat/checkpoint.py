@@ -22,16 +22,11 @@ Events in order, for a tensor ``t`` that an op inside region R saves for backwar
    i-th is stored for slot i in ``recomputed[g]`` if slot i is still alive.
 3. the recompute stops by raising ``_StopRecompute`` right after the highest slot index that is
    still alive (early stop), or runs to the end with ``early_stop=False``.
-4. autograd unpacks slot i in task ``g``: the stored tensor is returned, and stays stored
-   while slot i lives, so a custom ``autograd.Function`` may read ``ctx.saved_tensors`` twice.
-   Autograd frees a node's saved tensors, slot i with them, right after the node's backward,
-   so the frame holds the tensor no longer than autograd does. Not so with
-   ``retain_graph=True``, where slots live on: there the tensor is popped as it is returned
-   (read once per backward, or every region's rebuilt tensors would live until ``g`` ends).
-   The tensor must not have been written since the recompute saved it: autograd skips its
-   own check for a tensor a hook packed, and an op after the save may have written it in
-   place (an intermediate the region wrote after an op saved it, which plain autograd
-   refuses).
+4. autograd unpacks slot i in task ``g``: the stored tensor is popped and returned, so the frame
+   holds it no longer than autograd does (even with ``retain_graph=True``). It must not have
+   been written since the recompute saved it: autograd skips its own check for a tensor a
+   hook packed, and an op after the save may have written it in place (an intermediate the
+   region wrote after an op saved it, which plain autograd refuses).
 5. a slot that backward never unpacks (partial backward) dies with its graph node; its stored
    tensor goes with it, since ``recomputed[g]`` is keyed weakly on slots. What is left of
    ``recomputed[g]`` is dropped when ``g`` ends, by a callback that holds R's frame weakly:
@@ -169,13 +164,6 @@ class _Slot:
             raise saved_and_written(
                 f"saved tensor {self.index} of a region-engine region", t, self.version
             )
-
-
-def _keeps_graph() -> bool:
-    """Whether the running backward keeps the graph (``retain_graph=True``); a torch that
-    cannot say is taken to."""
-    keeps = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if keeps is None else bool(keeps())
 
 
 # A tensor the recompute saved, and its version then (``detach`` shares the counter, so
@@ -440,16 +428,16 @@ class _Frame:
             if not outside:
                 # Rebuilt tensors that this backward never asks for go when it ends.
                 _state.forget_when_backward_ends(self._forget, task)
-        # Step 4 of [ Life of a saved tensor in a region ].
-        rebuilt = store.pop(slot, None) if outside or _keeps_graph() else store.get(slot)
+        rebuilt = store.pop(slot, None)
         if outside:
             self._forget(task)
         if rebuilt is None:
             raise CheckpointError(
                 f"remat: saved tensor {slot.index} of a checkpointed region was requested twice "
-                "in one backward pass with retain_graph=True, where each saved tensor can be "
-                "read once per backward. If a custom autograd.Function reads "
-                "ctx.saved_tensors twice in its backward, read them once into local variables."
+                "in one backward pass; the region engine hands each rebuilt tensor out once per "
+                "backward, so that it lives no longer than autograd holds it. If a custom "
+                "autograd.Function reads ctx.saved_tensors twice in its backward, read them "
+                "once into local variables, or run the region on the graph engine (policy=)."
             )
         t, version = rebuilt
         # Written since the save. A version below it is the engine's own: a recompute sets back
