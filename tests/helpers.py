@@ -187,3 +187,16 @@ def offloaded(model: nn.Module, tier: Any, **options: Any) -> nn.Module:
 
     model.forward = run  # type: ignore[method-assign]
     return model
+
+
+class Fail(nn.Module):
+    """Passes its input through, or raises once ``armed`` (a forward that fails part way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise RuntimeError("failed on purpose")
+        return x

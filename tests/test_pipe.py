@@ -27,6 +27,8 @@ from remat.pipe.pipeline import clock_cycles
 from remat.pipe.skip.tracker import SkipTracker, use_skip_tracker
 from remat.workloads import UNet, UNetConfig, get_workload
 
+from helpers import Fail
+
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 BALANCES = {1: [6], 2: [3, 3], 4: [2, 1, 1, 2]}
 
@@ -331,17 +333,6 @@ def test_deferred_batch_norm_statistics_equal_batch_norm_on_the_whole_minibatch(
     assert int(deferred.num_batches_tracked) == 2
     assert torch.equal(deferred.running_mean, full.running_mean)
     assert torch.equal(deferred.running_var, full.running_var)
-
-
-class Fail(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.armed:
-            raise RuntimeError("failed on purpose")
-        return x
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])

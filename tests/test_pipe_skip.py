@@ -19,6 +19,8 @@ from remat.pipe import Namespace, Pipe, pop, skippable, stash, verify_skippables
 from remat.pipe.skip import portal as portal_module
 from remat.pipe.skip.portal import Portal
 
+from helpers import Fail
+
 # -- modules ---------------------------------------------------------------------------------
 
 Log = list[tuple[Any, ...]]
@@ -304,17 +306,6 @@ class StashTanh(nn.Module):
             self.refs.append(weakref.ref(s))
         yield stash("s", s)
         return x.sin()
-
-
-class Fail(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.armed:
-            raise RuntimeError("failed on purpose")
-        return x
 
 
 @pytest.mark.parametrize("mode", ["never", "except_last", "always"])
