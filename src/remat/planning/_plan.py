@@ -7,8 +7,11 @@ whose fingerprint (class, parameter names and shapes, block paths) differs raise
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -335,27 +338,28 @@ class Plan:
 
 
 _NUMBER = (int, float)
-# What each option field holds in a file: the types a value may have (a bool is no number).
-_OPTION_FIELDS: dict[str, tuple[type, ...]] = {
-    "name": (str,),
-    "kind": (str,),
-    "kept": (int,),
-    "backward": (int,),
-    "seconds": _NUMBER,
-    "measured_seconds": (*_NUMBER, type(None)),
-    "left": (int,),
-    "gap": _NUMBER,
-    "decisions": (dict,),
-    "tensors": (list,),
-    "span": (int,),
-    "source": (str,),
-    "tier": (str, type(None)),
-    "forward": (int,),
-    "ahead": (int,),
-    "linked": (bool,),
-    "cached": (int,),
-    "side": (int,),
-}
+
+
+def _allowed(hint: Any) -> tuple[type, ...]:
+    """The types a value read from JSON may have for a field annotated ``hint``: a float
+    field takes an int, a union each member's types, a generic (``dict[str, str]``) its
+    container."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return tuple(t for member in typing.get_args(hint) for t in _allowed(member))
+    if hint is float:
+        return _NUMBER
+    origin = typing.get_origin(hint)
+    return (origin if origin is not None else hint,)
+
+
+def _field_types(cls: type) -> dict[str, tuple[type, ...]]:
+    """Each field of dataclass ``cls`` that a file sets, and the types it may hold there."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: _allowed(hints[f.name]) for f in dataclasses.fields(cls) if f.init}
+
+
+_PLAN_FIELDS = _field_types(Plan)
+_OPTION_FIELDS = _field_types(Option)
 _KINDS = ("plain", "region", "graph", "segment")
 
 
@@ -376,19 +380,11 @@ def _damage(plan: Plan) -> str:
     for name in ("plain_seconds", "predicted_seconds"):
         if not _is(getattr(plan, name), _NUMBER):
             return f"{name} is {getattr(plan, name)!r}, not seconds"
-    for name, types in (
-        ("fingerprint", (dict,)),
-        ("budget_text", (str,)),
-        ("solver", (dict,)),
-        ("tiers", (list,)),
-        ("bandwidths", (dict,)),
-        ("pareto", (list,)),
-        ("measured", (dict,)),
-        ("training", (bool,)),
-        ("autocast", (dict, type(None))),
-    ):
-        if not _is(getattr(plan, name), types):
-            return f"{name} is {getattr(plan, name)!r}, not a {types[0].__name__}"
+    if not isinstance(plan.blocks, list) or not isinstance(plan.options, dict):
+        return "blocks must be a list and options a mapping"
+    for name, allowed in _PLAN_FIELDS.items():
+        if not _is(getattr(plan, name), allowed):
+            return f"{name} is {getattr(plan, name)!r}, not a {allowed[0].__name__}"
     fingerprint = plan.fingerprint
     if not (
         isinstance(fingerprint.get("model"), str)
@@ -412,8 +408,6 @@ def _damage(plan: Plan) -> str:
         isinstance(autocast.get("device_type"), str) and isinstance(autocast.get("dtype"), str)
     ):
         return f"autocast is {autocast!r}, not a device type and a dtype"
-    if not isinstance(plan.blocks, list) or not isinstance(plan.options, dict):
-        return "blocks must be a list and options a mapping"
     for kind, options in plan.options.items():
         for o in options:
             for name, allowed in _OPTION_FIELDS.items():
