@@ -489,6 +489,13 @@ def test_budget_texts() -> None:
     assert parse_budget("1.5GiB", 1) == int(1.5 * 2**30)
     assert parse_budget("600 MiB", 1) == 600 * 2**20
     assert parse_budget("2kb", 1) == 2000
+    # a number written with a trailing or a leading point reads as Python reads it
+    assert parse_budget("5.GiB", 1) == 5 * 2**30
+    assert parse_budget(".5GiB", 1) == 2**29
+    assert parse_budget("50.%", 1000) == 500
+    for unreadable in (".", "5..", "e3", ""):
+        with pytest.raises(remat.RematError, match=r"cannot read the budget"):
+            parse_budget(unreadable, 1000)
     for share in ("150%", "0%"):  # readable, out of range: the message says which range
         with pytest.raises(remat.RematError, match=r"must lie in \(0%, 100%\] of the plain"):
             parse_budget(share, 1000)

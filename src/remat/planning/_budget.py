@@ -22,7 +22,9 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_TEXT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
+_TEXT = re.compile(
+    r"^\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE
+)
 
 _HOW = (
     'give a fraction of the plain step\'s activation peak ("50%", 0.5) or bytes '
