@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import json
@@ -336,3 +337,106 @@ def test_a_compiled_model_is_explained_through_the_module_it_wraps() -> None:
     ]
     assert any(r.decision == "recompute" for r in got.rows)
     torch._dynamo.reset()
+
+
+class _Noisy(nn.Module):
+    """Draws from a generator it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.g = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + 0.1 * torch.randn(h.shape, generator=self.g)
+
+
+def test_explaining_leaves_the_generators_a_model_holds_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Noisy())
+    remat.apply(model, _Noisy)
+    untouched = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    explain(model, x)
+    assert torch.equal(model[0].g.get_state(), untouched[0].g.get_state())
+    for m in (untouched, model):
+        m(x).square().sum().backward()
+    for p, q in zip(untouched.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+class _Rotary(nn.Module):
+    """Multiplies by a table it holds as a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("cos", torch.randn(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.cos
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "region"])
+def test_buffers_saved_for_backward_are_the_models_not_activations(wrapped: bool) -> None:
+    model = nn.Sequential(_Rotary(), _Rotary())
+    if wrapped:
+        remat.apply(model, _Rotary)
+    x = torch.randn(2, 32, 16)
+    report = explain(model, x)
+    tables = [r for r in report.rows if r.shape == (32, 16) and r.kind == "buffer"]
+    # each block's product saves its buffer: held by the model, kept whatever remat does
+    assert len(tables) == 2
+    assert all(r.decision == "keep" for r in report.rows if r.kind == "buffer")
+    assert not [r for r in report.rows if r.op == "set_"]
+    with remat.MemoryTracker(model) as tracker:
+        out = model(x)
+        del out
+    assert report.kept_bytes == tracker.report().saved_bytes
+    assert report.kept_bytes == sum(t.kept_bytes for t in report.by_module().values())
+    # wrapped, all a block saves is its input and the model's own tensors: nothing to rebuild
+    assert report.recomputed_bytes == 0
+
+
+def test_explaining_between_a_forward_and_its_backward_leaves_that_backward_working() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8))
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    loss = model(x).sum()
+    explain(model, x)  # BatchNorm's statistics are put back, and so are their versions
+    loss.backward()
+    plain(x).sum().backward()
+    assert [b._version for b in model.buffers()] == [b._version for b in plain.buffers()]
+    for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+class _Bank(nn.Module):
+    """Replaces a buffer with a new tensor each call and fills one registered as None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("bank", torch.zeros(0, 4))
+        self.register_buffer("last", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.bank = torch.cat([self.bank, h.detach()])[-16:]
+        self.last = h.detach().clone()
+        self.register_buffer("made", torch.ones(1))
+        return h
+
+
+def test_explaining_puts_back_buffers_the_forward_replaced_or_registered() -> None:
+    model = _Bank()
+    bank = model.bank
+    explain(model, torch.randn(2, 4))
+    assert model.bank is bank and model.bank.shape == (0, 4)
+    assert model.last is None
+    assert "made" not in dict(model.named_buffers())
+    assert list(model.state_dict()) == ["bank", "lin.weight", "lin.bias"]

@@ -165,6 +165,33 @@ def test_planning_mid_accumulation_puts_back_each_gradient_tensor_and_the_genera
         assert torch.equal(grad, value)
 
 
+class _Banked(nn.Module):
+    """A block that replaces a buffer each call (a memory bank) and fills one registered as
+    None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 128), nn.Linear(128, 32)
+        self.register_buffer("bank", torch.zeros(0, 32))
+        self.register_buffer("last", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.b(torch.tanh(self.a(x)))
+        self.bank = torch.cat([self.bank, h.detach()[:2]])[-8:]
+        self.last = h.detach()[:1].clone()
+        return h
+
+
+def test_planning_puts_back_buffers_the_forward_replaced() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Banked() for _ in range(3)])
+    banks = [block.bank for block in model]
+    x = torch.randn(64, 32)
+    remat.plan(model, x, budget="70%", loss_fn=lambda o: o.square().mean(), repeats=0)
+    assert all(block.bank is bank and bank.shape == (0, 32) for block, bank in zip(model, banks))
+    assert all(block.last is None for block in model)
+
+
 class _Heads(nn.Module):
     def __init__(self) -> None:
         super().__init__()

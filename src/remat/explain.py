@@ -37,8 +37,9 @@ So each row saved in a graph region is settled once the forward pass is over, fr
 engine's records, and the totals are what the forward pass leaves allocated (the tests check
 them against ``remat.MemoryTracker`` and the disk tier's stored bytes for each policy).
 
-The forward pass runs under a forked random state, and when a module is given its buffers are
-restored afterwards, so explaining a model does not change its training.
+The forward pass leaves the model as it found it (NOTE [ Putting a model back ] in
+``_found.py``): its buffers, their versions, and the random state it draws from, so explaining
+a model does not change its training, even between a step's forward and its backward.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -58,6 +60,7 @@ from . import _state
 from ._aten import op_info
 from ._aten import storage_key as _key
 from ._dispatch import EagerMode
+from ._found import accelerators, as_found
 from ._nodes import Ref, _Input
 from .errors import RematError
 from .modules import unwrapped
@@ -82,7 +85,7 @@ class SavedTensor:
     bytes: int  # the tensor's own elements; see ``storage_bytes`` for what it keeps alive
     storage_bytes: int
     shared: bool  # its storage was already listed by an earlier row
-    kind: Literal["activation", "parameter", "input"]
+    kind: Literal["activation", "parameter", "buffer", "input"]
     decision: _state.Decision
     how: str
 
@@ -101,7 +104,8 @@ class ModuleTotals:
 class SavedTensorReport:
     """Every tensor saved for backward in one forward pass; printable, sortable, exportable.
 
-    Totals count each storage once and leave parameters out: they are held anyway.
+    Totals count each storage once and leave parameters and buffers out: the model holds them
+    anyway.
     """
 
     rows: list[SavedTensor] = field(default_factory=list)
@@ -125,7 +129,7 @@ class SavedTensorReport:
         return sum(
             r.storage_bytes
             for r in self.rows
-            if r.decision == decision and not r.shared and r.kind != "parameter"
+            if r.decision == decision and not r.shared and r.kind in ("activation", "input")
         )
 
     def by_module(self) -> dict[str, ModuleTotals]:
@@ -133,7 +137,7 @@ class SavedTensorReport:
         totals: dict[str, ModuleTotals] = {}
         for r in self.rows:
             t = totals.get(r.module, ModuleTotals())
-            size = 0 if r.shared or r.kind == "parameter" else r.storage_bytes
+            size = 0 if r.shared or r.kind in ("parameter", "buffer") else r.storage_bytes
             totals[r.module] = replace(
                 t,
                 kept_bytes=t.kept_bytes + (size if r.decision == "keep" else 0),
@@ -282,8 +286,13 @@ class _GraphRow(NamedTuple):
 
 
 class _Explainer:
-    def __init__(self, params: set[int], producers: _Producers, modules: list[str]) -> None:
-        self.params = params
+    def __init__(
+        self,
+        held: dict[int, Literal["parameter", "buffer"]],
+        producers: _Producers,
+        modules: list[str],
+    ) -> None:
+        self.held = held  # storage -> what of the model's state it is
         self.producers = producers
         self.modules = modules
         self.rows: list[SavedTensor] = []
@@ -295,17 +304,18 @@ class _Explainer:
         shared = self.seen.get(t) is not None
         self.seen.set(t, True)
         produced = self.producers.producer.get(t)
-        if key is not None and key in self.params:
-            kind: Literal["activation", "parameter", "input"] = "parameter"
-            op = "parameter"
+        kind: Literal["activation", "parameter", "buffer", "input"]
+        op: str
+        if key is not None and key in self.held:
+            kind = op = self.held[key]
         elif produced is not None:
             kind, op = "activation", produced[0]
         else:
             kind, op = "input", "input"
-        if kind == "parameter" and decision == "recompute":
+        if kind in ("parameter", "buffer") and decision == "recompute":
             # The engine rebuilds the view it saved (``weight.t()``), but the bytes are the
-            # parameter's, held by the model whatever remat does.
-            decision, how = "keep", f"{how}: a parameter, held by the model"
+            # parameter's or buffer's, held by the model whatever remat does.
+            decision, how = "keep", f"{how}: a {kind}, held by the model"
         graph = _state.state.graph if how.startswith("graph engine") else None
         if graph is not None:
             ref, owner = _owner(graph, t)
@@ -343,7 +353,7 @@ class _Explainer:
             row = self.rows[index]
             if isinstance(owner, Ref):
                 owners.add((id(graph), owner))
-            if row.kind == "parameter" or owner is None:
+            if row.kind in ("parameter", "buffer") or owner is None:
                 continue
             if not isinstance(owner, Ref):
                 how = _HOW_INPUT if isinstance(owner, _Input) else _HOW_OUTSIDE
@@ -382,7 +392,7 @@ class _Explainer:
             offloaded.add(id(kept.stored))
         else:
             t = kept.tensor
-            if _key(t) in self.params:  # a view of a parameter: held by the model anyway
+            if _key(t) in self.held:  # a view of a parameter or buffer: held by the model
                 return
             shared = self.seen.get(t) is not None
             self.seen.set(t, True)
@@ -471,32 +481,32 @@ def explain(
     model_or_fn = unwrapped(model_or_fn)
     model = model_or_fn if isinstance(model_or_fn, nn.Module) else None
     modules = [""]
-    params = {key for p in (model.parameters() if model is not None else ()) if (key := _key(p))}
-    buffers = {n: b.clone() for n, b in model.named_buffers()} if model is not None else {}
+    held: dict[int, Literal["parameter", "buffer"]] = {}
+    if model is not None:
+        held.update((key, "buffer") for b in model.buffers() if (key := _key(b)))
+        held.update((key, "parameter") for p in model.parameters() if (key := _key(p)))
+    tensors = [*model.parameters(), *model.buffers()] if model is not None else []
+    tensors += pytree.tree_leaves((inputs, kwargs))
     producers = _Producers(modules)
-    explainer = _Explainer(params, producers, modules)
+    explainer = _Explainer(held, producers, modules)
     _state.state.observer = explainer
     try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=[]))
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(_module_stack(model, modules))
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(explainer.pack, _same))
-            stack.enter_context(producers)
-            out = model_or_fn(*inputs, **kwargs)
-        explainer.settle()  # while ``out`` keeps the autograd graph, and so the records, alive
-        # The hook in each saved variable holds the explainer: were the graph-engine records
-        # still reachable from it, they would hold the graph in a cycle through autograd's C++
-        # nodes, and what the regions offloaded would stay, files and all.
-        explainer.graph_rows.clear()
-        del out
+        with as_found(model, accelerators(tensors)):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(_module_stack(model, modules))
+                hooks = torch.autograd.graph.saved_tensors_hooks(explainer.pack, _same)
+                stack.enter_context(hooks)
+                stack.enter_context(producers)
+                out = model_or_fn(*inputs, **kwargs)
+            explainer.settle()  # while ``out`` keeps the graph, and so the records, alive
+            # The hook in each saved variable holds the explainer: were the graph-engine
+            # records still reachable from it, they would hold the graph in a cycle through
+            # autograd's C++ nodes, and what the regions offloaded would stay, files and all.
+            explainer.graph_rows.clear()
+            del out
     finally:
         _state.state.observer = None
-        if model is not None:
-            with torch.no_grad():
-                for name, b in model.named_buffers():
-                    if name in buffers:
-                        b.copy_(buffers[name])
     return SavedTensorReport(explainer.rows)
 
 

@@ -63,8 +63,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import modules
-from .._ambient import restoring_rng, set_generators
-from .._guard import generators_in
+from .._found import as_found
 from ..errors import NoPlanFits, RematError, warn
 from ..modules import unwrapped
 from ._autocast import Autocast, loop_forward, outside
@@ -860,11 +859,9 @@ def _uses(o: Option) -> set[str]:
 
 @contextlib.contextmanager
 def _as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
-    """Planning leaves the model as it found it: buffers (BatchNorm statistics), gradients,
-    the CPU random generator, ``device``'s, and the generators the model holds (see
-    [ Explicit generators ] in _ambient.py) are put back on the way out."""
-    explicit = [(g, g.get_state()) for g in generators_in(model)]
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    """Planning leaves the model as it found it: buffers (BatchNorm statistics), the CPU random
+    generator, ``device``'s and the generators the model holds (NOTE [ Putting a model back ]
+    in ``_found.py``), and gradients."""
     # Each gradient is put back as the tensor it was (a user's reference to it, or a view
     # into a bucket such as DDP's gradient_as_bucket_view, stays valid), with its values.
     grads = {
@@ -873,14 +870,10 @@ def _as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
         if p.grad is not None
     }
     try:
-        with restoring_rng(((device.type, None),) if device.type != "cpu" else ()):
+        with as_found(model, (device.type,) if device.type != "cpu" else ()):
             yield
     finally:
-        set_generators(explicit)
         with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers:
-                    b.copy_(buffers[n])
             for n, p in model.named_parameters():
                 entry = grads.get(n)
                 if entry is not None:
