@@ -440,3 +440,17 @@ def test_explaining_puts_back_buffers_the_forward_replaced_or_registered() -> No
     assert model.last is None
     assert "made" not in dict(model.named_buffers())
     assert list(model.state_dict()) == ["bank", "lin.weight", "lin.bias"]
+
+
+def test_a_function_explained_is_put_back_through_the_model_it_reaches() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+    report = explain(lambda x: nn.functional.cross_entropy(model(x), y), x)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    weights = [r for r in report.rows if r.shape == (8, 2)]  # the head's weight, transposed
+    assert weights and all(r.kind == "parameter" for r in weights)
+    with remat.MemoryTracker(model) as tracker:
+        nn.functional.cross_entropy(model(x), y)
+    assert report.kept_bytes == tracker.report().saved_bytes

@@ -9,10 +9,10 @@ how each is put back:
 
 1. A buffer written in place (BatchNorm's running statistics, a step counter): its values, and
    then its version counter. A write is seen by the version or, since BatchNorm's kernels
-   write the running statistics without bumping theirs, by the values. A graph still waiting for its backward (``explain`` called
-   between a step's forward and its backward) saved the running statistics at their version;
-   a copy alone would bump it, and that backward would raise autograd's in-place error. A
-   buffer whose version did not move is not touched.
+   write the running statistics without bumping theirs, by the values. A graph still waiting
+   for its backward (``explain`` called between a step's forward and its backward) saved the
+   statistics at their version; a copy alone would bump it, and that backward would raise
+   autograd's in-place error. A buffer found as it was is not touched.
 2. A buffer slot given another tensor (a memory bank, ``self.bank = torch.cat([self.bank, h])``;
    a cache registered as ``None`` and filled): the slot gets its own tensor back, with the
    values it had (it may have been written before it was replaced), and a buffer registered
@@ -21,19 +21,23 @@ how each is put back:
    its inputs use, and the ``torch.Generator`` objects the model holds (see [ Explicit
    generators ] in ``_ambient.py``).
 
+A function explained (``lambda x: loss_fn(model(x), y)``) is put back through the modules it
+reaches, found as the write guard finds them (NOTE [ When the guard runs ] 1 in ``_guard.py``).
+
 Gradients are the planner's own concern (its steps run backward; ``explain`` runs none).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from ._ambient import restoring_rng, set_generators
-from ._guard import _set_versions, generators_in
+from ._guard import Reachable, _set_versions, generators_in
 
 __all__: list[str] = []
 
@@ -41,8 +45,9 @@ __all__: list[str] = []
 class _Buffers:
     """Each module's buffer slots: the tensor each held, its values and its version."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.slots = [(m, dict(m._buffers)) for m in model.modules()]
+    def __init__(self, models: Sequence[nn.Module]) -> None:
+        modules = dict.fromkeys(m for model in models for m in model.modules())
+        self.slots = [(m, dict(m._buffers)) for m in modules]
         self.copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         for _, buffers in self.slots:
             for b in buffers.values():
@@ -84,16 +89,23 @@ def accelerators(tensors: Iterable[object]) -> tuple[str, ...]:
     return tuple(found)
 
 
+def modules_reached(function: Callable[..., Any]) -> list[nn.Module]:
+    """The modules a function reaches, as the write guard finds them (its closure, defaults,
+    the globals its code loads, the ``self`` of a bound method, a partial's arguments): a
+    function such as ``lambda x: loss_fn(model(x), y)`` reaches ``model``."""
+    walked = Reachable(function, (), {}).walked.values()
+    return [m for m in walked if isinstance(m, nn.Module)]
+
+
 @contextlib.contextmanager
-def as_found(model: nn.Module | None, device_types: Iterable[str] = ()) -> Iterator[None]:
-    """Put ``model``'s buffers and generators, the CPU generator and those of
+def as_found(models: Sequence[nn.Module], device_types: Iterable[str] = ()) -> Iterator[None]:
+    """Put the buffers and generators of ``models``, the CPU generator and those of
     ``device_types`` back on the way out (see NOTE [ Putting a model back ])."""
-    explicit = [(g, g.get_state()) for g in generators_in(model)] if model is not None else []
-    buffers = _Buffers(model) if model is not None else None
+    explicit = [(g, g.get_state()) for g in generators_in(*models)]
+    buffers = _Buffers(models)
     try:
         with restoring_rng(tuple((t, None) for t in device_types)):
             yield
     finally:
         set_generators(explicit)
-        if buffers is not None:
-            buffers.restore()
+        buffers.restore()

@@ -60,7 +60,7 @@ from . import _state
 from ._aten import op_info
 from ._aten import storage_key as _key
 from ._dispatch import EagerMode
-from ._found import accelerators, as_found
+from ._found import accelerators, as_found, modules_reached
 from ._nodes import Ref, _Input
 from .errors import RematError
 from .modules import unwrapped
@@ -481,17 +481,20 @@ def explain(
     model_or_fn = unwrapped(model_or_fn)
     model = model_or_fn if isinstance(model_or_fn, nn.Module) else None
     modules = [""]
+    # The models a function reaches (``lambda x: loss_fn(model(x), y)``): their parameters
+    # are held, not activations, and their state is put back as for a model given.
+    models = [model] if model is not None else modules_reached(model_or_fn)
     held: dict[int, Literal["parameter", "buffer"]] = {}
-    if model is not None:
-        held.update((key, "buffer") for b in model.buffers() if (key := _key(b)))
-        held.update((key, "parameter") for p in model.parameters() if (key := _key(p)))
-    tensors = [*model.parameters(), *model.buffers()] if model is not None else []
+    for m in models:
+        held.update((key, "buffer") for b in m.buffers() if (key := _key(b)))
+        held.update((key, "parameter") for p in m.parameters() if (key := _key(p)))
+    tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
     tensors += pytree.tree_leaves((inputs, kwargs))
     producers = _Producers(modules)
     explainer = _Explainer(held, producers, modules)
     _state.state.observer = explainer
     try:
-        with as_found(model, accelerators(tensors)):
+        with as_found(models, accelerators(tensors)):
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(_module_stack(model, modules))

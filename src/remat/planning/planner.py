@@ -870,7 +870,7 @@ def _as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
         if p.grad is not None
     }
     try:
-        with as_found(model, (device.type,) if device.type != "cpu" else ()):
+        with as_found([model], (device.type,) if device.type != "cpu" else ()):
             yield
     finally:
         with torch.no_grad():
