@@ -7,11 +7,29 @@ follow ``chunks`` small batches instead of one large one. :class:`DeferredBatchN
 torchgpipe's) accumulates sums over the micro-batches of one mini-batch and updates the running
 statistics once, when the last micro-batch has passed, from the mini-batch's mean and unbiased
 variance. A recompute (``remat.is_recomputing()``) accumulates nothing.
+
+NOTE [ Deferred statistics ]
+
+Per micro-batch ``i`` (``n_i`` values per channel) the layer keeps, per channel, the float64
+sum ``S_i``, the mean ``m_i = S_i / n_i`` rounded to the input's dtype, and ``M2_i``, the
+float64 sum of ``(x - m_i)**2`` with each square taken in the input's dtype: the arithmetic of
+ATen's CPU kernel (``batch_norm_cpu_collect_stats_contiguous_impl``). At the commit the mean
+is ``c = (sum S_i) / n`` rounded as ATen rounds it, and the sum of squared deviations about
+``c`` combines the micro-batches exactly in float64 (the parallel variance of Chan et al.,
+"Updating formulae and a pairwise algorithm for computing sample variances", 1979):
+
+    sum_i  M2_i + 2 (m_i - c) (S_i - n_i m_i) + n_i (m_i - c)**2
+
+With one micro-batch ``m_0 == c``, the two last terms are zero, and the statistics are the
+kernel's bit for bit. With several, the mean still is (float64 sums of float32 data are
+exact but for extreme ranges), while the variance rounds each square about ``m_i`` instead of
+about ``c``: a few units in the last place. ``sum_squares - mean * sum`` (torchgpipe's
+formula) loses far more to cancellation when the mean is large against the deviation.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +45,6 @@ __all__ = ["DeferredBatchNorm"]
 class DeferredBatchNorm(_BatchNorm):
     """A BatchNorm for ``chunks`` micro-batches per mini-batch; see the module docstring."""
 
-    sum: Tensor
-    sum_squares: Tensor
     running_mean: Tensor
     running_var: Tensor
     num_batches_tracked: Tensor
@@ -42,14 +58,17 @@ class DeferredBatchNorm(_BatchNorm):
         chunks: int = 1,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
-        # The sums of the mini-batch under way are state of one step, not of the model: they
-        # stay out of the state dict, which then has the keys of a plain BatchNorm, so that
-        # the state dicts of a Pipe and of the plain model load into each other.
-        self.register_buffer("sum", torch.zeros_like(self.running_mean), persistent=False)
-        self.register_buffer("sum_squares", torch.zeros_like(self.running_var), persistent=False)
-        self.counter = 0
-        self.tracked = 0
+        # The statistics of the mini-batch under way are state of one step, not of the model:
+        # they stay out of the state dict, which then has the keys of a plain BatchNorm, so
+        # that the state dicts of a Pipe and of the plain model load into each other. One
+        # entry per micro-batch: (n_i, S_i, m_i, M2_i), NOTE [ Deferred statistics ].
+        self.parts: list[tuple[int, Tensor, Tensor, Tensor]] = []
         self.chunks = chunks
+
+    @property
+    def tracked(self) -> int:
+        """Micro-batches of the mini-batch under way seen so far."""
+        return len(self.parts)
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() <= 2:
@@ -59,33 +78,41 @@ class DeferredBatchNorm(_BatchNorm):
             )
 
     def _track(self, input: Tensor) -> bool:
+        """Keep one micro-batch's statistics; true when it completes the mini-batch."""
         dims = [0, *range(2, input.dim())]
+        n = input.numel() // input.size(1)
         with torch.no_grad():
-            self.sum += input.sum(dims)
-            self.sum_squares += (input**2).sum(dims)
-        self.counter += input.numel() // input.size(1)
-        self.tracked += 1
+            x = input if input.dtype in (torch.float32, torch.float64) else input.float()
+            total = x.sum(dims, dtype=torch.float64)
+            mean = (total / n).to(x.dtype)
+            deviation = x - mean.view(1, -1, *[1] * (x.dim() - 2))
+            squares = (deviation * deviation).sum(dims, dtype=torch.float64)
+        self.parts.append((n, total, mean, squares))
         return self.tracked == self.chunks
 
     def _commit(self) -> None:
         """Update the running statistics once, as ``F.batch_norm`` would for the mini-batch.
 
-        The arithmetic after the sums follows ATen's CPU update (``batch_norm_cpu_update_stats``):
-        the mean ``sum / n``, the unbiased variance ``var_sum / (n - 1)`` and the mean's momentum
-        step in the statistics' dtype, the variance's momentum step in float64. So the
-        result equals a plain BatchNorm on the whole mini-batch bit for bit whenever the sums
-        do, i.e. whenever adding the micro-batches' sums in another order loses nothing.
+        The mean and the sum of squared deviations: NOTE [ Deferred statistics ]. After them
+        the arithmetic follows ATen's CPU update (``batch_norm_cpu_update_stats_template``):
+        the mean's momentum step in the statistics' dtype; the unbiased variance
+        ``var_sum / (n - 1)`` in the statistics' dtype and its momentum step in float64.
         """
         self.num_batches_tracked += 1
         factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        n = self.counter
+        n = sum(part[0] for part in self.parts)
         with torch.no_grad():
-            momentum = torch.tensor(
-                factor, dtype=self.running_mean.dtype, device=self.running_mean.device
-            )
-            mean = self.sum / n
-            var_sum = self.sum_squares - mean * self.sum
-            unbiased = (var_sum / max(n - 1, 1)).double()
+            dtype = self.running_mean.dtype
+            momentum = torch.tensor(factor, dtype=dtype, device=self.running_mean.device)
+            total = torch.stack([part[1] for part in self.parts]).sum(0)
+            mean = (total / n).to(dtype)
+            c = mean.double()
+            var_sum = torch.zeros_like(total)
+            for n_i, total_i, mean_i, squares_i in self.parts:
+                shift = mean_i.double() - c
+                var_sum += squares_i + 2 * shift * (total_i - n_i * mean_i.double())
+                var_sum += n_i * shift * shift
+            unbiased = (var_sum.to(self.running_var.dtype) / max(n - 1, 1)).double()
             self.running_mean.copy_(momentum * mean + (1 - momentum) * self.running_mean)
             keep = ((1 - momentum) * self.running_var).double()
             self.running_var.copy_(momentum.double() * unbiased + keep)
@@ -93,11 +120,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     def _restart(self) -> None:
         """Forget the micro-batches seen so far in this mini-batch."""
-        with torch.no_grad():
-            self.sum.zero_()
-            self.sum_squares.zero_()
-        self.counter = 0
-        self.tracked = 0
+        self.parts = []
 
     def _load_from_state_dict(
         self,
@@ -110,8 +133,8 @@ class DeferredBatchNorm(_BatchNorm):
         error_msgs: list[str],
     ) -> None:
         # torchgpipe's DeferredBatchNorm (and remat's before the sums left the state dict)
-        # saved the sums as buffers: such a state dict loads, its sums dropped (between steps
-        # they are zero).
+        # saved sums "sum" and "sum_squares" as buffers: such a state dict loads, its sums
+        # dropped (between steps they are zero).
         for name in ("sum", "sum_squares"):
             state_dict.pop(prefix + name, None)
         super()._load_from_state_dict(
@@ -131,7 +154,8 @@ class DeferredBatchNorm(_BatchNorm):
                 momentum=0.0,
                 eps=self.eps,
             )
-        if not is_recomputing() and self._track(input):
+        # A meta-device run (pipeline_stage's shapes) has no values to keep.
+        if not is_recomputing() and not input.is_meta and self._track(input):
             self._commit()
         return F.batch_norm(
             input,
@@ -161,15 +185,17 @@ class DeferredBatchNorm(_BatchNorm):
             return module
         if isinstance(module, _BatchNorm) and module.track_running_stats:
             converted = cls(module.num_features, module.eps, module.momentum, module.affine, chunks)
+            # The statistics keep their device and dtype (float64, half): converted first,
+            # then filled, so that no value is rounded on the way.
+            stats = cast(Tensor, module.running_mean)
+            converted.to(device=stats.device, dtype=stats.dtype)
             if module.affine:
-                with torch.no_grad():
-                    converted.weight = module.weight
-                    converted.bias = module.bias
+                converted.weight = module.weight
+                converted.bias = module.bias
             with torch.no_grad():
-                converted.running_mean.copy_(module.running_mean)  # type: ignore[arg-type]
-                converted.running_var.copy_(module.running_var)  # type: ignore[arg-type]
-                converted.num_batches_tracked.copy_(module.num_batches_tracked)  # type: ignore[arg-type]
-            converted.to(module.running_mean.device)  # type: ignore[union-attr]
+                converted.running_mean.copy_(stats)
+                converted.running_var.copy_(cast(Tensor, module.running_var))
+                converted.num_batches_tracked.copy_(cast(Tensor, module.num_batches_tracked))
             converted.train(module.training)
             return converted
         for name, child in module.named_children():
