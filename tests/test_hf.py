@@ -276,6 +276,49 @@ def test_errors() -> None:
         remat.hf.enable(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(remat.RematError, match=r"expected an nn\.Module, got str"):
         remat.hf.enable("gpt2")  # type: ignore[arg-type]
+    # remat.apply's options do not go with a budget: the plan chooses (checked before planning)
+    for option in ({"offload_to_cpu": True}, {"every": 2}):
+        with pytest.raises(remat.RematError, match=r"with budget=, the options are remat\.fit's"):
+            remat.hf.enable(model, budget="50%", example_inputs=_inputs("gpt2"), **option)
+
+
+def test_unapply_takes_enables_cache_hooks_off_too() -> None:
+    """After remat.unapply, a model enabled by remat.hf keeps its key/value cache again, and
+    can be enabled again."""
+    model = _model("llama").eval()
+    ids = _inputs("llama")["input_ids"]
+    remat.hf.enable(model)
+    remat.unapply(model)
+    assert not [m for m in model.modules() if m._forward_pre_hooks]
+    with torch.enable_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    assert cache is not None and cache.get_seq_length() == ids.shape[1]
+    remat.hf.enable(model)
+    remat.hf.disable(model)
+
+
+def test_compiled_once_into_one_graph_with_the_configs_cache_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A default Llama config has use_cache=True: the layers' hook drops the cache in training
+    without a graph break (no logging in traced code), and the model compiles once."""
+    monkeypatch.setattr(remat.hf, "_warned", set())  # as in a process that has not warned yet
+    model = _model("llama")
+    assert model.config.use_cache
+    remat.hf.enable(model)
+    inputs = _inputs("llama")
+    graphs: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example: Any) -> Callable[..., Any]:
+        graphs.append(1)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for _ in range(3):
+        compiled(**inputs).loss.backward()
+    assert len(graphs) == 1
+    torch._dynamo.reset()
 
 
 def test_hugging_face_checkpointing_already_on_is_refused() -> None:

@@ -147,8 +147,16 @@ def enable(
     modules.apply(model, where, **options)
     for m in model.modules():
         if modules.is_wrapped(m) and id(m) not in before:
-            m.register_forward_pre_hook(_drop_cache, with_kwargs=True)
+            _hook(m)
     return compiled
+
+
+def _hook(layer: nn.Module) -> None:
+    """Put the key/value cache hook on ``layer``. Its class's signature is read now: read in a
+    call that ``torch.compile`` traces, the cache filled there would fail Dynamo's guard at the
+    next call and compile the model again."""
+    _signature(type(layer))
+    layer.register_forward_pre_hook(_drop_cache, with_kwargs=True)
 
 
 def disable(model: nn.Module) -> nn.Module:
@@ -176,6 +184,13 @@ def disable(model: nn.Module) -> nn.Module:
     return compiled
 
 
+def remove_cache_hooks(model: nn.Module) -> int:
+    """Take :func:`enable`'s key/value cache hooks off ``model``'s layers (``remat.unapply``
+    undoes what ``enable`` set up too); how many layers had one."""
+    removed = [modules.remove_hooks(m, lambda hook: hook is _drop_cache) for m in model.modules()]
+    return sum(map(bool, removed))
+
+
 def _enabled(model: nn.Module) -> bool:
     return any(
         hook is _drop_cache for m in model.modules() for hook in m._forward_pre_hooks.values()
@@ -190,9 +205,20 @@ def _fit(
     loss_fn: Callable[..., Any] | None,
     options: dict[str, Any],
 ) -> None:
-    from .planning import fit
+    from .planning import fit, plan
     from .planning.profile import selects_by_class
 
+    allowed = {
+        p.name for p in inspect.signature(plan).parameters.values() if p.kind is p.KEYWORD_ONLY
+    } - {"blocks"}  # enable selects the blocks: the layers
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise RematError(
+            f"remat.hf.enable: with budget=, the options are remat.fit's "
+            f"({', '.join(sorted(allowed))}); got {', '.join(unknown)}. The plan chooses "
+            "what each layer keeps, offloads or recomputes: options of remat.apply "
+            "(offload_to_cpu, every, determinism_check, ...) go with a policy, not a budget."
+        )
     if example_inputs is None:
         raise RematError(
             "remat.hf.enable: budget= plans from one measured step; pass example_inputs= (the "
@@ -206,7 +232,7 @@ def _fit(
             "layers= naming the model's repeated layers."
         )
     for name in layers:
-        model.get_submodule(name).register_forward_pre_hook(_drop_cache, with_kwargs=True)
+        _hook(model.get_submodule(name))
     try:
         fit(
             model,
@@ -316,7 +342,9 @@ def _drop_cache(
     for name in changed:
         bound.arguments[name] = False if name == "use_cache" else None
     name = type(module).__name__
-    if name not in _warned:
+    # Under torch.compile the warning stays out of the traced code: a logger call there is a
+    # graph break (and an error with fullgraph=True).
+    if not torch.compiler.is_compiling() and name not in _warned:
         _warned.add(name)
         logger.warning(
             "remat.hf: a key/value cache cannot be used with recompute while gradients are "

@@ -439,14 +439,16 @@ def unapply(model: nn.Module) -> nn.Module:
 
     Each wrapped module gets its class's ``forward`` back; parameters, buffers and
     ``state_dict`` keys never changed, so nothing else moves. What :meth:`remat.Plan.apply`
-    set up goes too: its regions, policies, offload scopes and segments. Modules that are not
-    wrapped are left alone.
+    set up goes too: its regions, policies, offload scopes and segments, and so does what
+    :func:`remat.hf.enable` set up. Modules that are not wrapped are left alone.
     """
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.unapply: expected an nn.Module, got {type(model).__name__}.")
-    from .planning.apply import undo_all  # the planner builds on this module
+    from .hf import remove_cache_hooks  # both build on this module
+    from .planning.apply import undo_all
 
     undo_all(model)  # wrapped modules among the rest
+    remove_cache_hooks(model)  # remat.hf.enable's
     unguard_hf_checkpointing(model)
     return model
 
