@@ -882,3 +882,223 @@ def test_buffers_stay_in_place_and_only_activations_are_written(
         assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
     for a, b in zip(model.buffers(), plain.buffers(), strict=True):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lazy conjugate and negative views
+# ---------------------------------------------------------------------------------------------
+
+
+def _conj_view(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.exp() * (b * 2).conj()  # mul saves the lazy conjugate view (b * 2).conj()
+
+
+def _neg_view(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.exp().real * (b * 2).conj().imag  # .imag of a conjugate view: the negative bit
+
+
+@pytest.mark.parametrize("how", ["offload disk", "offload host", "graph policy disk"])
+@pytest.mark.parametrize("fn", [_conj_view, _neg_view], ids=["conj", "neg"])
+def test_views_with_the_conjugate_or_negative_bit_are_kept_and_exact(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    how: str,
+    tmp_path: Any,
+) -> None:
+    # The tiers store a storage's bytes, which carry neither bit: offloaded, backward read
+    # b * 2 for its conjugate (or negation) and the gradients were silently wrong. Such views
+    # are kept as autograd keeps them (with filterwarnings=error, the "resized output"
+    # warning of the version witness of such a view fails the test too).
+    torch.manual_seed(0)
+    a = torch.randn(8, 8, dtype=torch.complex64, requires_grad=True)
+    b = torch.randn(8, 8, dtype=torch.complex64, requires_grad=True)
+    expected = torch.autograd.grad((fn(a, b).abs() ** 2).sum(), (a, b))
+    host, disk = HostTier(include_cpu=True), remat.store.DiskTier(tmp_path)
+    with remat.store.tiers(host=host, disk=disk):
+        if how == "graph policy disk":
+            policy = remat.policies.offload_everything("disk")
+            out = remat.checkpoint(fn, a, b, policy=policy)
+        else:
+            with remat.offload(how.split()[1], min_bytes=0):  # type: ignore[arg-type]
+                out = fn(a, b)
+        actual = torch.autograd.grad((out.abs() ** 2).sum(), (a, b))
+    assert all(torch.equal(e, g) for e, g in zip(expected, actual, strict=True))
+    assert host.stats.copies_out + disk.stats.files_written > 0  # a.exp() was offloaded
+    host.close()
+    disk.close()
+
+
+def test_store_pack_refuses_a_conjugate_view() -> None:
+    store = Store(Recording())
+    view = (torch.randn(4, dtype=torch.complex64) * 2).conj()
+    assert not store.takes(view) and not store.takes(view.imag)
+    with pytest.raises(remat.RematError, match=r"conjugate bit.*Store\.takes"):
+        store.pack(view)
+
+
+# ---------------------------------------------------------------------------------------------
+# Releases from finalizers never wait for a lock
+# ---------------------------------------------------------------------------------------------
+
+
+def _finishes(call: Callable[[], None], timeout: float = 10.0) -> bool:
+    """Run ``call`` on a daemon thread; whether it finished in time (a hang fails the test,
+    never the run)."""
+    done = threading.Event()
+
+    def run() -> None:
+        call()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(timeout)
+
+
+class _FreeOnLookup(dict):  # type: ignore[type-arg]
+    """The pool's free lists; looking one up frees a graph first, as the garbage collector
+    does when it runs on an allocation made there."""
+
+    def __init__(self, garbage: list[Any]) -> None:
+        super().__init__()
+        self.garbage = garbage
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.garbage.clear()  # Saved.__del__ -> Store.release -> HostTier.drop -> pool.give
+        return super().get(key, default)
+
+
+def test_a_release_from_a_finalizer_inside_the_host_pools_lock_does_not_hang() -> None:
+    tier = HostTier(include_cpu=True)
+    store = Store(tier)
+    garbage: list[Any] = [store.pack(torch.randn(64))]
+    tier.flush()
+    free = _FreeOnLookup(garbage)
+    tier.pool._free = free
+    assert _finishes(lambda: tier.settle(tier.put(torch.zeros(32, dtype=torch.uint8)))), "hang"
+    assert not garbage and store.stored_bytes == 0
+    assert sum(len(buffers) for buffers in free.values()) == 1  # the released buffer is back
+    tier.close()
+
+
+def test_a_release_inside_the_stores_section_waits_until_it_is_left() -> None:
+    tier = Recording()
+    store = Store(tier)
+    first = store.pack(torch.randn(16))
+    put = tier.put
+
+    def put_and_collect(data: torch.Tensor) -> Ticket:
+        nonlocal first
+        del first  # as the collector would, inside pack's section
+        assert ("drop", 1) not in tier.log  # queued: pack is half way
+        return put(data)
+
+    tier.put = put_and_collect  # type: ignore[method-assign]
+    second = store.pack(torch.randn(16))
+    assert ("drop", 1) in tier.log and len(store._order) == 1
+    del second
+    assert ("drop", 2) in tier.log and store.stored_bytes == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures belong to the thread whose block made the write
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_failed_write_is_raised_by_its_own_block_never_by_another_threads(
+    disk: remat.store.DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from remat.store import _files
+
+    write_all = _files.write_all
+    failing = threading.get_ident()
+
+    def full_for_one_thread(fd: int, view: Any) -> None:
+        if len(view) == 64 * 256 * 4:  # the tanh output of the first thread's block
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_all(fd, view)
+
+    monkeypatch.setattr(_files, "write_all", full_for_one_thread)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 1))
+    other = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    plain = copy.deepcopy(other)
+    x, y = torch.randn(64, 16), torch.randn(4, 8)
+    results: list[Any] = []
+
+    def other_step() -> None:  # another thread, same tier, while the first block runs
+        assert threading.get_ident() != failing
+        try:
+            with remat.offload(disk, min_bytes=0):
+                loss = other(y).sum()
+            loss.backward()
+            results.append("ok")
+        except remat.RematError as error:
+            results.append(error)
+
+    with pytest.raises(remat.RematError, match="ENOSPC"), remat.offload(disk, min_bytes=0):
+        h = model[1](model[0](x))
+        wait_for(lambda: disk.stats.failed_writes == 1)
+        worker = threading.Thread(target=other_step)
+        worker.start()
+        worker.join()
+        model[2](h).sum()
+    assert results == ["ok"]
+    plain(y).sum().backward()
+    for a, b in zip(other.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and torch.equal(a.grad, b.grad)
+    assert all(p.grad is None for p in model.parameters())  # no backward of the failed step
+
+
+# ---------------------------------------------------------------------------------------------
+# Reusable block objects
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_offload_object_and_a_tiers_object_are_reusable_and_nestable(tmp_path: Any) -> None:
+    model, x = _mlp()
+    plain = copy.deepcopy(model)
+    tier = remat.store.DiskTier(tmp_path)
+    off, using = remat.offload("disk", min_bytes=0), remat.store.tiers(disk=tier)
+    for _ in range(3):  # entered every step, as torch.autocast objects are
+        with using, off:
+            with off:  # nested: a block of its own
+                loss = model(x).pow(2).sum()
+            loss = loss + model(x).sum()
+        loss.backward()
+        plain_loss = plain(x).pow(2).sum()
+        (plain_loss + plain(x).sum()).backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+    assert tier.stats.files_written == 3 * 2 * 2 and _files_in(tier) == []
+    assert remat.store.scope.tier_named("disk") is not tier  # every block was left
+    tier.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# What remat.offload moves: the input batch
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_input_without_grad_is_written_and_one_with_grad_is_not(
+    disk: remat.store.DiskTier,
+) -> None:
+    # As documented: remat.offload cannot tell a user's input batch (a leaf without grad)
+    # from a tensor the step makes without grad (BatchNorm's batch statistics, a mask), so
+    # it writes both; a leaf that requires grad is left alone.
+    torch.manual_seed(0)
+    model = nn.Linear(64, 4)
+    plain = copy.deepcopy(model)
+    x = torch.randn(32, 64)
+    with remat.offload("disk", min_bytes=0):
+        loss = model(x).sum()
+    assert disk.stats.bytes_written == x.numel() * 4  # linear saves only its input
+    loss.backward()
+    plain(x).sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and torch.equal(a.grad, b.grad)
+    before = disk.stats.bytes_written
+    with remat.offload("disk", min_bytes=0):
+        loss = model(x.requires_grad_()).sum()
+    loss.backward()
+    assert disk.stats.bytes_written == before

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import copy
 import errno
 import gc
 import os
@@ -825,3 +827,105 @@ def test_sequential_bandwidth(tmp_path: pathlib.Path) -> None:
     write, read = sequential_bandwidth(tmp_path, 3 * 2**20 + 5)
     assert write > 0 and read > 0
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# A drop from a finalizer, inside the tier's own locked section
+# ---------------------------------------------------------------------------------------------
+
+
+def _finishes(call: Any, shared: Any, timeout: float = 10.0) -> bool:
+    """Run ``call`` on a daemon thread; whether it finished in time. On a hang (the drop
+    waiting for the lock its own thread holds) the lock is let go of by force, so that the
+    stuck threads end and the test fails instead of the run hanging."""
+    done = threading.Event()
+
+    def run() -> None:
+        call()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    if done.wait(timeout):
+        return True
+    with contextlib.suppress(RuntimeError):
+        shared.cond.release()
+    return False
+
+
+@pytest.mark.parametrize("where", ["put", "write", "get"])
+def test_a_drop_from_a_finalizer_inside_the_tiers_lock_does_not_hang(
+    tmp_path: pathlib.Path, where: str
+) -> None:
+    # The garbage collector runs on any allocation, also one the tier makes with its lock held
+    # (put submitting a write, a worker finishing one, get checking its ticket); freeing an
+    # offloaded graph there drops a ticket (Saved.__del__ -> Store.release -> DiskTier.drop).
+    # That drop waited for the lock its own thread held: a hang, for good.
+    tier = DiskTier(tmp_path)
+    shared = tier._shared
+    store = remat.store.Store(tier)
+    garbage: list[Any] = [store.pack(torch.randn(64))]
+    kept = tier.put(_bytes(32))
+    tier.flush()
+    assert len(_files_in(tier)) == 2
+
+    def collect(method: Any) -> Any:
+        def collecting(*args: Any, **kwargs: Any) -> Any:
+            garbage.clear()  # as the collector would: the last reference to the Saved
+            return method(*args, **kwargs)
+
+        return collecting
+
+    def put_and_drop() -> None:
+        ticket = tier.put(_bytes(16))
+        tier.flush()
+        tier.drop(ticket)
+
+    if where == "put":
+        shared.executor.submit = collect(shared.executor.submit)
+    elif where == "write":  # on the worker thread
+        shared.end_locked = collect(shared.end_locked)
+    else:
+        shared.check_ticket_locked = collect(shared.check_ticket_locked)
+    call = (lambda: tier.get(kept, CPU)) if where == "get" else put_and_drop
+    assert _finishes(call, shared), f"the drop inside {where} hangs"
+    assert not garbage and store.stored_bytes == 0
+    tier.flush()
+    assert _files_in(tier) == [kept.path.name]  # the dropped file went, without gc.collect()
+    tier.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# A forked child
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_that_lets_go_of_a_graph_leaves_the_parents_files(
+    tmp_path: pathlib.Path,
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    with DiskTier(tmp_path) as tier:
+        with remat.offload(tier, min_bytes=0):
+            out = model(x)
+        tier.flush()
+        files = _files_in(tier)
+        assert len(files) == 2
+        pid = os.fork()
+        if pid == 0:  # the child lets go of its copy of the graph, and of the tier
+            try:
+                del out
+                gc.collect()
+                tier.close()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0
+        assert _files_in(tier) == files  # the parent's step still has its files
+        out.sum().backward()
+        plain(x).sum().backward()
+        for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+            assert a.grad is not None and torch.equal(a.grad, b.grad)
+        assert _files_in(tier) == []

@@ -6,12 +6,17 @@ offloader that allocates one buffer per saved tensor spends much of the step in 
 kept by size after use and handed out again to the next tensor of that size. Buffers are
 pinned when an accelerator is available to pin for; on a CPU-only machine they are ordinary
 memory.
+
+The pool's lock is a plain lock, taken by the host tier inside its own section only, and no
+object the garbage collector tracks is made while it is held (the lists of free buffers are
+made before taking it), so the collector never runs there: a finalizer that drops a ticket
+(and so gives a buffer back) can never find the lock held by its own thread. See NOTE
+[ Finalizers and the store's locks ] in ``_section.py``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
 
 import torch
 
@@ -31,7 +36,7 @@ class HostPool:
         self.max_cached_bytes = max_cached_bytes
         self.cached_bytes = 0
         self.allocated = 0  # buffers ever allocated, to measure reuse
-        self._free: defaultdict[int, list[torch.Tensor]] = defaultdict(list)
+        self._free: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
@@ -45,9 +50,10 @@ class HostPool:
 
     def give(self, buffer: torch.Tensor) -> None:
         nbytes = buffer.numel()
+        fresh: list[torch.Tensor] = []  # made outside the lock: see the module's docstring
         with self._lock:
             if self.cached_bytes + nbytes <= self.max_cached_bytes:
-                self._free[nbytes].append(buffer)
+                self._free.setdefault(nbytes, fresh).append(buffer)
                 self.cached_bytes += nbytes
 
     def clear(self) -> None:

@@ -20,18 +20,31 @@ everything a block saves, or as a region input with ``offload_to_cpu``) goes thr
    race with the background write fell.
 3. At the end of an offload scope (``remat.offload`` block, graph-engine region) the store
    flushes the tier: a write that failed (a full disk) raises there, in forward, before
-   backward has touched any gradient.
+   backward has touched any gradient. A scope runs on one thread, and flushes the writes of
+   that thread only (``DiskTier.flush_thread``): a failure belongs to the step that made the
+   write, never to a step another thread runs on the same tier meanwhile.
 4. ``Store.unpack(saved)``, in backward: the storage's bytes are fetched (or taken from the
    prefetch), and the next ``prefetch`` storages *saved before it* are prefetched, since
    backward needs tensors in reverse order of saving. A storage that is back and still alive
    (another view of it in use) is not fetched twice.
 5. Autograd may unpack again (``retain_graph``, a double backward): the stored bytes stay in
    the tier until the last ``Saved`` of the storage is freed, then the tier drops them.
+   ``Saved.__del__`` is a finalizer, run wherever the last reference goes, the garbage
+   collector included, and that may be in the middle of the store's or the tier's own locked
+   section on the same thread: the release is queued there and handled once the section is
+   left, never waited for (NOTE [ Finalizers and the store's locks ] in ``_section.py``).
+
+What the store never takes (``Store.takes``): tensors of a subclass, non-strided layouts, meta
+tensors, and lazy views with the conjugate or negative bit (``(b * 2).conj()``,
+``z.conj().imag``) or a zero tensor. A tier stores the bytes of the storage, and a tensor
+rebuilt from them with ``set_`` has none of these bits: backward would read ``b * 2`` for its
+conjugate, silently. Autograd keeps such a tensor as it is, as without offloading.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
 import weakref
 from typing import Any
@@ -41,6 +54,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import RematError
 from ._args import check_int, check_tier
+from ._section import After, Section
 from ._tier import Ticket, Tier
 
 __all__: list[str] = []
@@ -123,6 +137,14 @@ def _witness(t: torch.Tensor) -> torch.Tensor:
     return witness
 
 
+def _lazy_bits(t: torch.Tensor) -> str:
+    """The bits of ``t`` its storage's bytes do not carry (see the NOTE above), by name."""
+    bits = [name for name, set_ in (("conjugate", t.is_conj()), ("negative", t.is_neg())) if set_]
+    if t._is_zerotensor():
+        bits.append("zero-tensor")
+    return " and ".join(bits)
+
+
 class Store:
     """Offloads saved storages to one tier and brings them back in reverse order of saving.
 
@@ -143,16 +165,20 @@ class Store:
         self._tier_takes = getattr(tier, "takes", None)
         # storage address -> (weak storage, its stored bytes) while the storage is alive
         self._live: dict[int, tuple[weakref.ref[torch.UntypedStorage], _Stored]] = {}
-        self._lock = threading.RLock()
+        # Guards the bookkeeping above; a release never waits for it (Step 5).
+        self._section = Section(threading.RLock())
 
     def __repr__(self) -> str:
         return f"Store(tier={self.tier.name}, prefetch={self.prefetch})"
 
     def takes(self, t: torch.Tensor) -> bool:
-        """Whether this store can hold ``t`` (a plain dense tensor the tier accepts)."""
+        """Whether this store can hold ``t`` (a plain dense tensor the tier accepts, without
+        the conjugate or negative bit: see the NOTE above)."""
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return False
         if t.layout is not torch.strided or t.is_meta or t.device.type == "meta":
+            return False
+        if _lazy_bits(t):
             return False
         return self._tier_takes is None or bool(self._tier_takes(t.device))
 
@@ -169,10 +195,19 @@ class Store:
         ``version`` is the version ``t``'s value has, when autograd has yet to count a write
         that already happened (an in-place op seen from inside the dispatcher). ``prefetch``:
         the storages to read ahead when ``t`` comes back (default: the store's)."""
+        if not self.takes(t):
+            bits = _lazy_bits(t)
+            raise RematError(
+                f"remat: Store.pack expected a tensor the store takes (a plain strided tensor "
+                f"the {self.tier.name} tier accepts, without the conjugate or negative bit), "
+                f"found a {type(t).__name__} on {t.device} with layout {t.layout}"
+                f"{' and the ' + bits + ' bit' if bits else ''}. Ask Store.takes(t) first and "
+                f"keep the tensor as it is when it says no."
+            )
         storage = t.untyped_storage()
         key = storage._cdata
         version = t._version if version is None else version
-        with self._lock:
+        with self._section:
             live = self._live.get(key)
             if live is not None and live[0]() is storage and live[1].version == version:
                 stored = live[1]
@@ -201,6 +236,8 @@ class Store:
         except RematError:
             self._live.clear()  # an earlier write failed: share no stored bytes from before
             raise
+        # ``put`` is called with the section held: a release it sets off (the collector
+        # freeing another graph) is queued and handled when ``pack`` leaves the section.
         self._serial += 1
         stored = _Stored(self._serial, ticket, storage.nbytes(), device, version, prefetch)
         self._order.append(stored)
@@ -233,7 +270,7 @@ class Store:
                 "the in-place op out of place."
             )
         stored = saved.stored
-        with self._lock:
+        with self._section:
             storage = stored.back() if stored.back is not None else None
             if storage is None:
                 data = self.tier.get(stored.ticket, stored.device)
@@ -256,19 +293,24 @@ class Store:
         return bisect.bisect_left(self._order, stored.serial, key=lambda s: s.serial)
 
     def release(self, stored: _Stored) -> None:
-        """One ``Saved`` of ``stored`` is gone; the last one drops the bytes (Step 5)."""
-        with self._lock:
-            stored.users -= 1
-            if stored.users > 0:
-                return
-            i = self._position(stored)
-            if i < len(self._order) and self._order[i] is stored:
-                del self._order[i]
-            self.stored_bytes -= stored.nbytes
-            live = self._live.get(stored.key)
-            if live is not None and live[1] is stored:  # a later save must store anew
-                del self._live[stored.key]
-            self.tier.drop(stored.ticket)
+        """One ``Saved`` of ``stored`` is gone; the last one drops the bytes (Step 5). Called
+        from finalizers: never waits for the store's lock (``_section.py``)."""
+        self._section.submit(self._released, stored)
+
+    def _released(self, stored: _Stored) -> After:
+        """Under the section: the bookkeeping of ``release``; returns the tier's ``drop``,
+        called once the section is left, so that a tier is never entered from a release."""
+        stored.users -= 1
+        if stored.users > 0:
+            return None
+        i = self._position(stored)
+        if i < len(self._order) and self._order[i] is stored:
+            del self._order[i]
+        self.stored_bytes -= stored.nbytes
+        live = self._live.get(stored.key)
+        if live is not None and live[1] is stored:  # a later save must store anew
+            del self._live[stored.key]
+        return functools.partial(self.tier.drop, stored.ticket)
 
     def settle(self, saved: Saved) -> None:
         """Before ``saved``'s source is written in place: let its copy out finish first."""
@@ -279,12 +321,15 @@ class Store:
             self.tier.flush()  # waits for every write, this one included
 
     def flush(self) -> None:
-        """End of an offload scope (Step 3). After a failed write, no later save shares the
+        """End of an offload scope (Step 3), in the thread that ran it: raises the failures
+        of the writes this thread made, never another thread's (a tier with ``flush_thread``,
+        the disk tier; others' ``flush``). After a failed write, no later save shares the
         bytes stored before it (some may be missing), even while the failed step's tensors
         are still alive (a traceback holds them)."""
+        flush = getattr(self.tier, "flush_thread", None) or self.tier.flush
         try:
-            self.tier.flush()
+            flush()
         except RematError:
-            with self._lock:
+            with self._section:
                 self._live.clear()
             raise

@@ -30,10 +30,15 @@ class Tier(Protocol):
     3. ``get(ticket)`` waits for them and returns a flat ``uint8`` tensor on ``device`` that the
        caller owns. It may be called again for the same ticket (a second backward).
     4. ``drop(ticket)`` is the last call for a ticket: its space is freed once pending work on
-       it has finished.
+       it has finished. It is called from finalizers, possibly inside one of the tier's own
+       calls on the same thread (the garbage collector runs on any allocation): it must never
+       wait for a lock (see NOTE [ Finalizers and the store's locks ] in ``_section.py``).
 
     ``flush()`` waits for every ``put`` so far and raises the first failure as a
     :class:`~remat.RematError`; ``close()`` drops everything and frees the tier's resources.
+    A tier may also offer ``flush_thread()``, the same for the puts of the calling thread
+    only; the store's flush at the end of an offload scope prefers it, so that a failure is
+    raised by the step that made the write and by no other thread's.
     """
 
     name: str

@@ -35,13 +35,25 @@ state (``_Shared``), never the tier itself, so a forgotten tier is collected at 
    backward can ``get`` again.
 5. **drop**: forgets the ticket; the file is removed at once if no I/O on it is pending, else by
    the worker that finishes the last one. A write that has not started yet is skipped, so a
-   drop before the write never leaves a file.
+   drop before the write never leaves a file. ``drop`` comes from finalizers (a ``Saved``
+   freed by the garbage collector, which runs on any allocation, also on one the tier makes
+   with its lock held, in the caller's thread or a worker's): it never waits for the lock.
+   Made inside the tier's section, it is queued and done when the section is left; made
+   while another thread holds the lock, that thread does it when it leaves (NOTE
+   [ Finalizers and the store's locks ] in ``_section.py``). A forked child that drops its
+   copy of a ticket removes nothing: no file is removed by a process other than the tier's
+   owner (``_Shared.unlink``), as ``close`` removes nothing there either.
 6. **error**: a write that raises (``ENOSPC``, ``EDQUOT``, ``EFBIG``...) removes its partial
    file and records a :class:`~remat.RematError` naming the directory, the bytes, the free
-   space and the fix. The next ``put``, ``flush`` or ``get`` raises it, exactly once. Before
-   raising, it waits for the writes still running, so that one report covers every failure so
-   far (several are reported together) and none surfaces later in an unrelated call, such as
-   the retry of the step that failed; a ``get`` of the failed ticket itself always raises.
+   space and the fix. The failure belongs to the thread that put the ticket (its
+   ``_Owner``): that thread's next ``put`` or ``get``, or ``flush_thread`` (the store's flush
+   at the end of an offload block or region), raises it, exactly once; ``flush`` raises
+   every thread's. So two threads stepping on one tier (the process-wide default) never get
+   each other's failures: a failed step raises at the end of its own block, before its
+   backward. Before raising, it waits for the thread's writes still running, so that one
+   report covers every failure so far (several are reported together) and none surfaces
+   later in an unrelated call, such as the retry of the step that failed; a ``get`` of the
+   failed ticket itself always raises.
    What is raised is a fresh copy of the recorded error, whose cause (the ``OSError``) keeps
    no traceback: the ticket records the error, and a raised error's traceback holds the frames
    of the failed step, whose tensors hold the ticket. Either link would close a cycle that
@@ -81,6 +93,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import errno
+import functools
 import os
 import pathlib
 import queue
@@ -95,6 +108,7 @@ import torch
 from ..errors import RematError
 from . import _args, _files
 from ._files import sequential_bandwidth as sequential_bandwidth
+from ._section import After, Section
 from ._tier import Ticket
 
 __all__ = ["DiskStats", "DiskTier", "sequential_bandwidth"]
@@ -129,13 +143,46 @@ class DiskStats:
     failed_writes: int = 0
 
 
+class _Owner:
+    """The thread that put a ticket, as the tier sees it: its writes in flight, for
+    ``flush_thread`` (see [6. error])."""
+
+    __slots__ = ("in_flight",)
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+
+class _Failure:
+    """A write that failed, not yet reported."""
+
+    __slots__ = ("error", "nbytes", "owner")
+
+    def __init__(self, error: RematError, nbytes: int, owner: _Owner) -> None:
+        self.error = error
+        self.nbytes = nbytes
+        self.owner = owner
+
+
 class _DiskTicket:
     """One stored storage: its file, and the I/O still pending on it."""
 
-    __slots__ = ("buffer", "data", "dropped", "error", "io", "load", "nbytes", "path", "writing")
+    __slots__ = (
+        "buffer",
+        "data",
+        "dropped",
+        "error",
+        "io",
+        "load",
+        "nbytes",
+        "owner",
+        "path",
+        "writing",
+    )
 
-    def __init__(self, data: torch.Tensor, path: pathlib.Path) -> None:
+    def __init__(self, data: torch.Tensor, path: pathlib.Path, owner: _Owner) -> None:
         self.data: torch.Tensor | None = data  # until written: see [2. written]
+        self.owner = owner  # the thread that put it
         self.nbytes = data.numel()
         self.path = path
         self.writing = True
@@ -158,12 +205,16 @@ class _Shared:
         self.max_pending_bytes = max_pending_bytes
         self.pid = os.getpid()
         self.cond = threading.Condition(threading.Lock())
+        # ``with section:`` holds ``cond``; a drop never waits for it, see NOTE [ Finalizers
+        # and the store's locks ] in ``_section.py``.
+        self.section = Section(self.cond)
+        self.owners = threading.local()  # this thread's _Owner
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="remat-disk"
         )
         self.tickets: set[_DiskTicket] = set()
         self.written: list[_DiskTicket] = []  # written, their tensors not let go of yet
-        self.errors: list[tuple[RematError, int]] = []  # (error, bytes that failed)
+        self.errors: list[_Failure] = []  # failed writes not yet reported, in order
         self.closed = False
         self.seq = 0
         self.writes_in_flight = 0
@@ -171,13 +222,29 @@ class _Shared:
         self.since = {"write": 0.0, "read": 0.0}
         self.stats = DiskStats()
 
-    # All methods ending in _locked run with self.cond held.
+    # All methods ending in _locked run inside self.section (with self.cond held).
+
+    def owns_files(self) -> bool:
+        """Whether this process may remove the tier's files: a forked child that lets go of
+        its copy of a graph must not remove the files its parent's step still reads."""
+        return os.getpid() == self.pid
+
+    def unlink(self, path: pathlib.Path) -> None:
+        if self.owns_files():
+            _files.unlink_quietly(path)
+
+    def owner(self) -> _Owner:
+        """The calling thread's ``_Owner``."""
+        owner: _Owner | None = getattr(self.owners, "owner", None)
+        if owner is None:
+            owner = self.owners.owner = _Owner()
+        return owner
 
     def release(self) -> None:
         """Let go of the tensors written so far, in the caller's thread (see [2. written])."""
-        if not self.written:  # read without the lock: a write finishing now waits a call
-            return
-        with self.cond:
+        if not self.written or self.section.inside():  # a drop from a finalizer in here
+            return  # (read without the lock: a write finishing now waits a call)
+        with self.section:
             written, self.written = self.written, []
             held = [t.data for t in written]
             for t in written:
@@ -207,15 +274,28 @@ class _Shared:
             )
         return ticket
 
-    def raise_errors_locked(self) -> None:
-        if not self.errors:
+    def raise_errors_locked(self, owner: _Owner | None) -> None:
+        """Raise the failures not yet reported of the writes ``owner`` put (of every thread's
+        writes, with ``None``)."""
+
+        def mine(failure: _Failure) -> bool:
+            return owner is None or failure.owner is owner
+
+        if not any(mine(f) for f in self.errors):
             return
-        self.cond.wait_for(lambda: self.writes_in_flight == 0 or self.closed)  # see [6. error]
-        (first, _), rest = self.errors[0], self.errors[1:]
-        self.errors.clear()
+        self.cond.wait_for(  # see [6. error]
+            lambda: (
+                (self.writes_in_flight if owner is None else owner.in_flight) == 0 or self.closed
+            )
+        )
+        failures = [f for f in self.errors if mine(f)]
+        self.errors[:] = [f for f in self.errors if not mine(f)]
+        if not failures:  # closed meanwhile
+            return
+        first, rest = failures[0].error, failures[1:]
         if not rest:
             raise _raisable(first)
-        more = sum(nbytes for _, nbytes in rest)
+        more = sum(f.nbytes for f in rest)
         also = f"{len(rest)} more write(s), {more} bytes in all, failed too. {_FIX}"
         raise _raisable(first, str(first).replace(_FIX, also))
 
@@ -244,13 +324,25 @@ class _Shared:
                 stats.bytes_read += nbytes
                 stats.files_read += 1
 
+    def drop_locked(self, ticket: _DiskTicket) -> After:
+        """``DiskTier.drop``, under the section; returns the removal of the file, if no I/O
+        on it is pending (else the last I/O removes it)."""
+        if not isinstance(ticket, _DiskTicket) or ticket not in self.tickets:
+            return None
+        self.tickets.discard(ticket)
+        ticket.dropped = True
+        ticket.load = ticket.buffer = None
+        if ticket.io != 0:
+            return None
+        return functools.partial(self.unlink, ticket.path)
+
     def finish_io_locked(self, ticket: _DiskTicket) -> bool:
         """One I/O on *ticket* is over; whether the caller must now remove its file."""
         ticket.io -= 1
         return ticket.dropped and ticket.io == 0
 
     def close(self) -> None:
-        with self.cond:
+        with self.section:
             if self.closed:
                 return
             self.closed = True
@@ -261,7 +353,7 @@ class _Shared:
             self.written.clear()
             self.errors.clear()
             self.cond.notify_all()
-        if os.getpid() != self.pid:  # a forked child: the files are the parent's
+        if not self.owns_files():  # a forked child: the files are the parent's
             return
         self.executor.shutdown(wait=True, cancel_futures=True)
         _files.remove_private_directory(self.directory)
@@ -350,7 +442,7 @@ class DiskTier:
     @property
     def stats(self) -> DiskStats:
         """A snapshot of the tier's counters."""
-        with self._shared.cond:
+        with self._shared.section:
             return dataclasses.replace(self._shared.stats)
 
     def put(self, data: torch.Tensor) -> _DiskTicket:
@@ -363,11 +455,12 @@ class DiskTier:
         shared.release()
         nbytes = data.numel()
         inline = False
-        with shared.cond:
+        with shared.section:
             waited = False
+            owner = shared.owner()
             while True:
                 shared.check_open_locked()
-                shared.raise_errors_locked()
+                shared.raise_errors_locked(owner)
                 pending = shared.stats.pending_bytes
                 if pending == 0 or pending + nbytes <= shared.max_pending_bytes:
                     break
@@ -378,7 +471,8 @@ class DiskTier:
             stats.pending_bytes += nbytes
             stats.peak_pending_bytes = max(stats.peak_pending_bytes, stats.pending_bytes)
             shared.writes_in_flight += 1
-            ticket = _DiskTicket(data, shared.directory / f"{shared.seq:08x}.bin")
+            owner.in_flight += 1
+            ticket = _DiskTicket(data, shared.directory / f"{shared.seq:08x}.bin", owner)
             shared.seq += 1
             shared.tickets.add(ticket)
             try:
@@ -395,14 +489,14 @@ class DiskTier:
         """Start reading *ticket* back in the background; harmless if already started."""
         shared = self._shared
         shared.release()
-        with shared.cond:
+        with shared.section:
             ticket = shared.check_ticket_locked(ticket)
             if ticket.load is not None or ticket.error is not None:
                 return
         # Allocated in the caller's thread (see [ Memory the allocator sees ]), outside the
         # lock (pinning may take a while).
         buffer = _empty(ticket.nbytes, torch.device(device))
-        with shared.cond:
+        with shared.section:
             if shared.closed or ticket.dropped or ticket.load is not None:
                 return  # closed, dropped or prefetched by another thread meanwhile
             try:
@@ -421,11 +515,11 @@ class DiskTier:
         device = torch.device(device)
         shared = self._shared
         shared.release()
-        with shared.cond:
+        with shared.section:
             ticket = shared.check_ticket_locked(ticket)
             if ticket.error is not None:
                 raise self._ticket_error_locked(ticket)
-            shared.raise_errors_locked()
+            shared.raise_errors_locked(shared.owner())
             load, ticket.load = ticket.load, None
             buffer, ticket.buffer = ticket.buffer, None
         out = buffer if load is not None and _result(load, ticket) else None
@@ -434,28 +528,36 @@ class DiskTier:
         return out if out.device == device else out.to(device)
 
     def drop(self, ticket: Ticket) -> None:
-        """Forget *ticket*; its file goes as soon as no I/O on it is pending. Never blocks."""
+        """Forget *ticket*; its file goes as soon as no I/O on it is pending. Never blocks: it
+        is called from finalizers, which may run inside the tier's own locked section (see
+        [5. drop]). In a forked child it does nothing: the files are the parent's."""
         shared = self._shared
+        if not shared.owns_files():
+            return
+        shared.section.submit(shared.drop_locked, ticket)
         shared.release()
-        with shared.cond:
-            if not isinstance(ticket, _DiskTicket) or ticket not in shared.tickets:
-                return
-            shared.tickets.discard(ticket)
-            ticket.dropped = True
-            ticket.load = ticket.buffer = None
-            remove = ticket.io == 0
-        if remove:
-            _files.unlink_quietly(ticket.path)
 
     def flush(self) -> None:
         """Wait for every write so far (a write whose ticket was dropped meanwhile, until its
-        file is removed); raise the first failure not yet reported."""
+        file is removed); raise the first failure not yet reported, of any thread's write."""
         shared = self._shared
-        with shared.cond:
+        with shared.section:
             shared.cond.wait_for(lambda: shared.writes_in_flight == 0 or shared.closed)
         shared.release()
-        with shared.cond:
-            shared.raise_errors_locked()
+        with shared.section:
+            shared.raise_errors_locked(None)
+
+    def flush_thread(self) -> None:
+        """``flush``, for the writes the calling thread put only: waits for them and raises
+        their first failure not yet reported, never another thread's (see [6. error]). The
+        store's flush at the end of an offload scope calls this."""
+        shared = self._shared
+        with shared.section:
+            owner = shared.owner()
+            shared.cond.wait_for(lambda: owner.in_flight == 0 or shared.closed)
+        shared.release()
+        with shared.section:
+            shared.raise_errors_locked(owner)
 
     def close(self) -> None:
         """Wait for running I/O, drop every ticket, remove the files and the directory."""
@@ -479,7 +581,7 @@ class DiskTier:
 
     def _read_now(self, ticket: _DiskTicket, device: torch.device) -> torch.Tensor:
         shared = self._shared
-        with shared.cond:
+        with shared.section:
             shared.cond.wait_for(lambda: not ticket.writing or shared.closed)
             shared.check_ticket_locked(ticket)
             if ticket.error is not None:
@@ -492,19 +594,19 @@ class DiskTier:
         except OSError as exc:
             raise _read_error(ticket, exc) from exc
         finally:
-            with shared.cond:
+            with shared.section:
                 shared.end_locked("read", start, None if out is None else ticket.nbytes)
                 remove = shared.finish_io_locked(ticket)
             if remove:
-                _files.unlink_quietly(ticket.path)
+                shared.unlink(ticket.path)
         return out
 
     def _ticket_error_locked(self, ticket: _DiskTicket) -> RematError:
         """The error for a get of a ticket whose write failed; reports it if not yet done."""
         shared = self._shared
         assert ticket.error is not None
-        if any(error is ticket.error for error, _ in shared.errors):
-            shared.errors[:] = [(e, n) for e, n in shared.errors if e is not ticket.error]
+        if any(f.error is ticket.error for f in shared.errors):
+            shared.errors[:] = [f for f in shared.errors if f.error is not ticket.error]
             return _raisable(ticket.error)
         return RematError(
             f"remat: expected the bytes of {ticket!r} on disk, found none: its write failed "
@@ -549,7 +651,7 @@ def _result(load: concurrent.futures.Future[bool], ticket: _DiskTicket) -> bool:
 
 def _write(shared: _Shared, ticket: _DiskTicket) -> None:
     """Worker: write one ticket's file; see [2. written] and [6. error]."""
-    with shared.cond:
+    with shared.section:
         data, nbytes = ticket.data, ticket.nbytes
         skip = data is None or ticket.dropped
         start = 0.0 if skip else shared.begin_locked("write")
@@ -559,11 +661,11 @@ def _write(shared: _Shared, ticket: _DiskTicket) -> None:
             try:
                 _files.write_file(ticket.path, data)
             except Exception as exc:
-                _files.unlink_quietly(ticket.path)
+                shared.unlink(ticket.path)
                 error = _write_error(shared.directory, nbytes, exc)
     finally:
         del data  # the ticket still holds it: the caller lets go (see [2. written])
-        with shared.cond:
+        with shared.section:
             if ticket.data is not None and not shared.closed:
                 shared.written.append(ticket)
             else:
@@ -576,16 +678,17 @@ def _write(shared: _Shared, ticket: _DiskTicket) -> None:
                 ticket.error = error
                 shared.stats.failed_writes += 1
                 if not shared.closed:
-                    shared.errors.append((error, nbytes))
+                    shared.errors.append(_Failure(error, nbytes, ticket.owner))
             remove = shared.finish_io_locked(ticket)
         # The write ends when the file of a ticket dropped meanwhile is gone: ``flush`` waits for
         # that too, so no file outlives a flush after its drop.
         try:
             if remove:
-                _files.unlink_quietly(ticket.path)
+                shared.unlink(ticket.path)
         finally:
-            with shared.cond:
+            with shared.section:
                 shared.writes_in_flight -= 1
+                ticket.owner.in_flight -= 1
                 shared.cond.notify_all()
 
 
@@ -595,7 +698,7 @@ def _load(shared: _Shared, ticket: _DiskTicket) -> bool:
     lets go of it before its read is reported done, so that the caller's is the last reference
     (see [ Memory the allocator sees ])."""
     try:
-        with shared.cond:
+        with shared.section:
             # The write was queued before us, so it runs or ran: see [3. prefetch].
             shared.cond.wait_for(lambda: not ticket.writing or shared.closed)
             buffer = ticket.buffer
@@ -608,14 +711,14 @@ def _load(shared: _Shared, ticket: _DiskTicket) -> bool:
             done = True
         finally:
             del buffer
-            with shared.cond:
+            with shared.section:
                 shared.end_locked("read", start, ticket.nbytes if done else None)
         return done
     finally:
-        with shared.cond:
+        with shared.section:
             remove = shared.finish_io_locked(ticket)
         if remove:
-            _files.unlink_quietly(ticket.path)
+            shared.unlink(ticket.path)
 
 
 def _write_error(directory: pathlib.Path, nbytes: int, exc: Exception) -> RematError:

@@ -15,7 +15,13 @@ One storage's bytes, from ``put`` in forward to ``drop`` when autograd lets go o
 4. ``get`` makes the computation wait for the copy back (``Done.join``) and hands the device
    tensor over; the buffer keeps the bytes for another backward.
 5. ``drop`` returns the buffer to the pool once no copy on it is pending; until then the
-   ticket waits in a retiring list that every later call sweeps.
+   ticket waits in a retiring list that every later call sweeps. ``drop`` is called from
+   finalizers (``Saved.__del__``), which the garbage collector may run inside the tier's own
+   locked section, or on a lane's worker while a ``put`` holds the lock and waits for that
+   worker's copy: it never waits for the lock, but queues the ticket, and the thread that
+   leaves the section retires it (NOTE [ Finalizers and the store's locks ] in
+   ``_section.py``). The pool's lock is only taken inside the tier's section, so a drop
+   never meets it held either.
 
 On a CPU-only machine the same path runs with a thread as the lane, when the tier is made
 with ``include_cpu=True``; by default CPU tensors are not the host tier's business, since they
@@ -34,6 +40,7 @@ from ..errors import RematError
 from ._args import check_bool, check_int
 from ._lanes import Done, Lane, lane_for
 from ._pool import HostPool
+from ._section import After, Section
 from ._tier import Ticket
 
 __all__ = ["HostStats", "HostTier"]
@@ -111,7 +118,7 @@ class HostTier:
         self._lanes: dict[torch.device, Lane] = {}
         self._in_flight: collections.deque[_HostTicket] = collections.deque()
         self._retiring: list[_HostTicket] = []
-        self._lock = threading.RLock()
+        self._section = Section(threading.RLock())
 
     def takes(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` go to this tier."""
@@ -130,7 +137,7 @@ class HostTier:
                 f"{data.device}, which is in host memory already. Use tier='disk' to free host "
                 "memory, or HostTier(include_cpu=True) to copy CPU tensors anyway."
             )
-        with self._lock:
+        with self._section:
             self._sweep()
             while len(self._in_flight) >= self.max_in_flight:
                 self.stats.waits_for_bound += 1
@@ -145,7 +152,7 @@ class HostTier:
 
     def prefetch(self, ticket: Ticket, device: torch.device) -> None:
         assert isinstance(ticket, _HostTicket)
-        with self._lock:
+        with self._section:
             if ticket.load is not None:
                 return
             if ticket.stored is not None and device not in self._lanes:
@@ -158,25 +165,29 @@ class HostTier:
     def get(self, ticket: Ticket, device: torch.device) -> torch.Tensor:
         assert isinstance(ticket, _HostTicket)
         self.prefetch(ticket, device)
-        with self._lock:
+        with self._section:
             assert ticket.load is not None
             dst, done = ticket.load
             ticket.load = None
         done.join()
-        with self._lock:
+        with self._section:
             ticket.out()  # the copy out ran before this copy back: let its source go
         return dst
 
     def drop(self, ticket: Ticket) -> None:
+        """Retire ``ticket``; never waits for the tier's lock (see step 5 of the NOTE)."""
         assert isinstance(ticket, _HostTicket)
-        with self._lock:
-            self._retiring.append(ticket)
-            self._sweep()
+        self._section.submit(self._drop_locked, ticket)
+
+    def _drop_locked(self, ticket: _HostTicket) -> After:
+        self._retiring.append(ticket)
+        self._sweep()
+        return None
 
     def settle(self, ticket: Ticket) -> None:
         """Wait until the copy out of ``ticket`` has finished (before its source is written)."""
         assert isinstance(ticket, _HostTicket)
-        with self._lock:
+        with self._section:
             ticket.out(wait=True)
 
     def _sweep(self) -> None:
@@ -193,12 +204,12 @@ class HostTier:
     def flush(self) -> None:
         """Raise a failed copy, if any has finished failing; copies out are not waited for,
         so that offloading overlaps with the rest of the step."""
-        with self._lock:
+        with self._section:
             self._sweep()
 
     def close(self) -> None:
         """Wait for every pending copy and free the pool's buffers."""
-        with self._lock:
+        with self._section:
             for ticket in [*self._in_flight, *self._retiring]:
                 ticket.out(wait=True)
                 if ticket.load is not None:

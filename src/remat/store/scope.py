@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -20,7 +20,7 @@ import torch
 from .. import _state
 from ..errors import RematError, did_you_mean
 from ._args import check_int, is_tier
-from ._store import Saved, Store
+from ._store import Saved, Store, _lazy_bits
 from ._tier import Tier
 
 __all__ = ["offload", "tiers"]
@@ -88,6 +88,8 @@ def tiers(
         with remat.store.tiers(disk=remat.store.DiskTier("/nvme/scratch")):
             loss = model(x)  # OFFLOAD_DISK decisions and remat.offload("disk") write there
         loss.backward()
+
+    The object may be entered again (once a step, nested, on several threads).
     """
     for name, tier in (("host", host), ("disk", disk)):
         if tier is not None and not is_tier(tier):
@@ -97,17 +99,39 @@ def tiers(
                 f"{type(tier).__name__} {tier!r}. Pass e.g. {name}=remat.store."
                 f"{'HostTier' if name == 'host' else 'DiskTier'}()."
             )
-    return _using(host, disk)
+    return _Using(host, disk)
 
 
-@contextlib.contextmanager
-def _using(host: Tier | None, disk: Tier | None) -> Iterator[None]:
-    previous = dict(_chosen.tiers)
-    _chosen.tiers.update({k: v for k, v in (("host", host), ("disk", disk)) if v is not None})
-    try:
-        yield
-    finally:
-        _chosen.tiers = previous
+class _Entries(threading.local):
+    """What each ``with`` of one reusable block object has to undo, innermost last, per
+    thread: the object may be entered again (nested, or once a step) and on several threads."""
+
+    def __init__(self) -> None:
+        self.stack: list[Any] = []
+
+    def pop(self, what: str) -> Any:
+        if not self.stack:
+            raise RematError(
+                f"remat: expected {what} to be left on the thread that entered it, found it "
+                f"left on a thread where it was not entered. Enter and leave it with one "
+                f"`with` statement."
+            )
+        return self.stack.pop()
+
+
+class _Using(contextlib.ContextDecorator, contextlib.AbstractContextManager[None]):
+    """``remat.store.tiers(...)``: reusable, also nested and on several threads at once."""
+
+    def __init__(self, host: Tier | None, disk: Tier | None) -> None:
+        self.chosen = {k: v for k, v in (("host", host), ("disk", disk)) if v is not None}
+        self._entries = _Entries()
+
+    def __enter__(self) -> None:
+        self._entries.stack.append(dict(_chosen.tiers))
+        _chosen.tiers.update(self.chosen)
+
+    def __exit__(self, *exc: object) -> None:
+        _chosen.tiers = self._entries.pop("remat.store.tiers(...)")
 
 
 class Scope:
@@ -150,10 +174,14 @@ class Scope:
 
 
 def outlives_the_step(t: torch.Tensor) -> bool:
-    """Whether ``t`` is model state or a user's input, or a view of one: a parameter, a leaf
-    that requires grad, or a view whose base is such a tensor (``nn.Linear`` saves
-    ``weight.t()``). Its storage stays alive whatever autograd holds, so storing it in a tier
-    would only copy it, every step."""
+    """Whether ``t`` is model state or an input that requires grad, or a view of one: a
+    parameter, a leaf that requires grad, or a view whose base is such a tensor (``nn.Linear``
+    saves ``weight.t()``). Its storage stays alive whatever autograd holds, so storing it in a
+    tier would only copy it, every step. A leaf that does not require grad is not among them:
+    it may be the user's batch, alive anyway, but just as well a tensor the step made without
+    grad (a mask, ``torch.ones`` for an attention bias, BatchNorm's batch statistics), which
+    dies with the step; the two look the same here, and moving the first costs one copy,
+    keeping the second would keep memory the block is meant to free."""
     base = t._base if t._base is not None else t
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
@@ -180,7 +208,13 @@ def offload(
     are in host memory already. Inside checkpointed
     regions the region decides (a region engine saves only its inputs; a graph engine
     offloads here what its policy keeps). The block's writes are flushed when it exits, so a
-    full disk raises there, before backward.
+    full disk raises there, before backward (the failures of this thread's writes: a block
+    never raises another thread's). A user's input batch that does not require grad is moved
+    too: nothing tells it from a tensor the step makes without grad (a mask, BatchNorm's batch
+    statistics), which must move.
+
+    The returned object may be entered again, once a step (``off = remat.offload("disk")``,
+    then ``with off:``), nested, or on several threads; each ``with`` is a block of its own.
 
     ::
 
@@ -199,27 +233,71 @@ def offload(
             f"put/prefetch/get/drop/flush/close), found {type(tier).__name__} {tier!r}. Pass "
             f"e.g. remat.offload('disk') or remat.offload(remat.store.DiskTier('/scratch'))."
         )
-    return _offload_block(tier, min_bytes, prefetch)
+    return _Offload(tier, min_bytes, prefetch)
 
 
-@contextlib.contextmanager
-def _offload_block(tier: TierName | Tier, min_bytes: int, prefetch: int | None) -> Iterator[None]:
-    store = store_for(tier_named(tier) if isinstance(tier, str) else tier)
-    scope = Scope(store, min_bytes, prefetch)
-    previous = _state.state.offload
-    _state.state.offload = scope
-    # Every module called in the block, on this thread, tells the scope its buffers.
-    hook = torch.nn.modules.module.register_module_forward_pre_hook(_note_buffers)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(_packer(scope), _unpack):
-            yield
-    except BaseException:
-        drain(store)
-        raise
-    finally:
-        hook.remove()
-        _state.state.offload = previous
-    store.flush()
+class _Entry:
+    """One ``with`` of a ``remat.offload`` object: what its exit undoes."""
+
+    __slots__ = ("hook", "hooks", "previous", "store")
+
+    def __init__(
+        self,
+        store: Store,
+        previous: Any,
+        hook: torch.utils.hooks.RemovableHandle,
+        hooks: torch.autograd.graph.saved_tensors_hooks,
+    ) -> None:
+        self.store = store
+        self.previous = previous
+        self.hook = hook
+        self.hooks = hooks
+
+
+class _Offload(contextlib.ContextDecorator, contextlib.AbstractContextManager[None]):
+    """``remat.offload(...)``: reusable (``off = remat.offload("disk")``, then ``with off:``
+    every step), also nested and on several threads at once. Each ``with`` is a block of its
+    own: the tier a name stands for is looked up when it starts, and its writes are flushed
+    when it ends."""
+
+    def __init__(self, tier: TierName | Tier, min_bytes: int, prefetch: int | None) -> None:
+        self.tier = tier
+        self.min_bytes = min_bytes
+        self.prefetch = prefetch
+        self._entries = _Entries()
+
+    def __enter__(self) -> None:
+        tier = self.tier
+        store = store_for(tier_named(tier) if isinstance(tier, str) else tier)
+        scope = Scope(store, self.min_bytes, self.prefetch)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_packer(scope), _unpack)
+        previous = _state.state.offload
+        # Every module called in the block, on this thread, tells the scope its buffers.
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(_note_buffers)
+        try:
+            hooks.__enter__()
+        except BaseException:
+            hook.remove()
+            raise
+        _state.state.offload = scope
+        self._entries.stack.append(_Entry(store, previous, hook, hooks))
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        entry: _Entry = self._entries.pop("remat.offload(...)")
+        try:
+            entry.hooks.__exit__(exc_type, exc, traceback)
+            if exc_type is not None:
+                drain(entry.store)
+        finally:
+            entry.hook.remove()
+            _state.state.offload = entry.previous
+        if exc_type is None:
+            entry.store.flush()
 
 
 def drain(store: Store) -> None:
@@ -244,6 +322,9 @@ def _packer(scope: Scope) -> Any:
 
 
 def _why_not(scope: Scope, t: torch.Tensor) -> str:
+    bits = _lazy_bits(t)
+    if bits:
+        return f"a lazy view with the {bits} bit, which stored bytes do not carry"
     if not scope.store.takes(t):
         if t.device.type == "cpu" and scope.store.tier.name == "host":
             return "already in host memory"
