@@ -188,7 +188,8 @@ def test_planning_puts_back_buffers_the_forward_replaced() -> None:
     banks = [block.bank for block in model]
     x = torch.randn(64, 32)
     remat.plan(model, x, budget="70%", loss_fn=lambda o: o.square().mean(), repeats=0)
-    assert all(block.bank is bank and bank.shape == (0, 32) for block, bank in zip(model, banks))
+    for block, bank in zip(model, banks, strict=True):
+        assert block.bank is bank and bank.shape == (0, 32)
     assert all(block.last is None for block in model)
 
 
