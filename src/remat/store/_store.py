@@ -178,7 +178,7 @@ class Store:
             return False
         if t.layout is not torch.strided or t.is_meta or t.device.type == "meta":
             return False
-        if _lazy_bits(t):
+        if t.is_conj() or t.is_neg() or t._is_zerotensor():
             return False
         return self._tier_takes is None or bool(self._tier_takes(t.device))
 
@@ -195,14 +195,13 @@ class Store:
         ``version`` is the version ``t``'s value has, when autograd has yet to count a write
         that already happened (an in-place op seen from inside the dispatcher). ``prefetch``:
         the storages to read ahead when ``t`` comes back (default: the store's)."""
-        if not self.takes(t):
-            bits = _lazy_bits(t)
+        # Callers ask ``takes`` first; the bits alone are checked again here, since a tensor
+        # packed with one would come back silently wrong (see the NOTE above).
+        if t.is_conj() or t.is_neg() or t._is_zerotensor():
             raise RematError(
-                f"remat: Store.pack expected a tensor the store takes (a plain strided tensor "
-                f"the {self.tier.name} tier accepts, without the conjugate or negative bit), "
-                f"found a {type(t).__name__} on {t.device} with layout {t.layout}"
-                f"{' and the ' + bits + ' bit' if bits else ''}. Ask Store.takes(t) first and "
-                f"keep the tensor as it is when it says no."
+                f"remat: Store.pack expected a tensor without the conjugate or negative bit, "
+                f"found one with the {_lazy_bits(t)} bit. Ask Store.takes(t) first and keep "
+                f"the tensor as it is when it says no."
             )
         storage = t.untyped_storage()
         key = storage._cdata
