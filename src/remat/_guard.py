@@ -90,7 +90,8 @@ Both are learnt as 2 is: from the guarded first recompute of the function (and o
 among its arguments) whose forward pass wrote, which notes writes outside the state of 4
 (``WriteGuard.hidden``) and reads after writes. The case left open is the one 2 leaves: a
 function that does either only on some later call, which ``remat.is_recomputing()`` closes.
-The cost is two copies of the state per recompute (BatchNorm's: three small tensors).
+The cost is two copies of the state per recompute (BatchNorm's: three small tensors), each one
+foreach copy per device.
 
 NOTE [ State read, then written ]
 
@@ -462,25 +463,43 @@ class Undo:
         for t in tensors:
             storage = t.untyped_storage()
             storages.setdefault(int(storage._cdata), storage)
-        # Each storage as a byte tensor, copied by an operator: a storage's own ``clone``
-        # allocates outside any operator, where ``remat.MemoryTracker`` cannot see it, while
-        # it does see the copy's free (the copy is an argument of ``copy_`` in ``load``).
-        self.copies = []
-        for storage in storages.values():
-            whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            self.copies.append((whole, whole.clone()))
+        # Each storage as a byte tensor, copied by operators: a storage's own ``clone``
+        # allocates outside any operator, where ``remat.MemoryTracker`` cannot see it.
+        self.wholes = [
+            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            for storage in storages.values()
+        ]
+        self.copies = _copied(self.wholes)
 
     def load(self) -> None:
         """Put the copied values back in the storages, leaving the versions as they are."""
-        with torch.no_grad():
-            for whole, copy in self.copies:
-                whole.copy_(copy)
+        if self.wholes:
+            with torch.no_grad():
+                torch._foreach_copy_(self.wholes, self.copies)
 
     def close(self) -> None:
         """Put the copied values and versions back."""
         self.load()
         assert _set_versions is not None  # see ``undoable``
         _set_versions(self.tensors, self.versions)
+
+
+def _copied(wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of the byte tensors ``wholes``: views of one allocation per device, filled by
+    one foreach copy. A BatchNorm block's state is six small storages, and on a GPU a launch
+    per storage to copy it, and another to put it back, were most of what its undo cost."""
+    slots: dict[torch.device, list[int]] = {}
+    for i, whole in enumerate(wholes):
+        slots.setdefault(whole.device, []).append(i)
+    copies: list[torch.Tensor] = list(wholes)
+    for device, indices in slots.items():
+        sizes = [wholes[i].numel() for i in indices]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        views = torch.split(flat, sizes)
+        torch._foreach_copy_(list(views), [wholes[i] for i in indices])
+        for i, view in zip(indices, views, strict=True):
+            copies[i] = view
+    return copies
 
 
 def _version_setter() -> Callable[[list[torch.Tensor], list[int]], None] | None:
