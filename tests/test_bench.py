@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,8 @@ import remat
 from remat.bench import measure, report
 from remat.bench.strategies import STRATEGIES, get_strategy
 from remat.workloads import WORKLOAD_NAMES, get_workload
+
+CPU = torch.device("cpu")
 
 
 def test_peak_of_a_known_allocation_is_exact() -> None:
@@ -45,6 +50,123 @@ def test_every_strategy_is_exact_or_says_why_it_cannot_run(name: str, strategy: 
     result = measure.memory(workload, strategy, seed=0, device=torch.device("cpu"))
     assert result["grads_equal"] is True
     assert result["peak_bytes"] > 0
+    has_buffers = any(True for _ in workload.model().buffers())
+    if not has_buffers:
+        assert result["buffers_equal"] is None
+    elif not strategy.startswith("torch-"):
+        assert result["buffers_equal"] is True  # torch's recomputes: the test below
+
+
+def test_buffers_written_twice_by_a_recompute_are_reported() -> None:
+    # torch's checkpoint runs a BatchNorm block's forward again in backward, and its running
+    # statistics move twice; remat's recompute leaves them as the plain step does.
+    workload = get_workload("convnet", "small")
+    cpu = torch.device("cpu")
+    torch_block = measure.memory(workload, "torch-block", 0, cpu)
+    remat_block = measure.memory(workload, "remat-block", 0, cpu)
+    assert torch_block["grads_equal"] is True and torch_block["buffers_equal"] is False
+    assert remat_block["grads_equal"] is True and remat_block["buffers_equal"] is True
+    row = report.Row("torch-block", "", 1, 1.0, 1.0, 1.0, True, buffers_equal=False)
+    assert report.exact(row) == "NO: buffers"
+    result = _result_with([row])
+    assert any("torch-block" in line and "twice" in line for line in report.exactness_lines(result))
+
+
+def _result_with(rows: list[report.Row]) -> report.Result:
+    return report.Result("w", "d", "cpu", 1, 0, 1, rows, {})
+
+
+class _Drifting(torch.nn.Module):
+    """Each instance adds how many instances came before it: two plain models from one seed
+    step differently, as one with a nondeterministic kernel does."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.offset = float(_Drifting.made)
+        _Drifting.made += 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * (1 + self.offset)
+
+
+def test_a_plain_step_that_does_not_reproduce_itself_compares_nothing() -> None:
+    workload = dataclasses.replace(
+        get_workload("mlp", "small"), build=_Drifting, loss_fn=lambda out, target: out.sum()
+    )
+    batch = (torch.ones(2, 4), torch.zeros(2))
+    model = workload.model(0)
+    got = measure.exactness(workload, model, batch, 0, torch.device("cpu"))
+    assert got == {
+        "grads_equal": None,
+        "buffers_equal": None,
+        "not_compared": "two plain steps from the same seed differed",
+    }
+    row = report.Row("x", "", 1, 1.0, 1.0, 1.0, None, not_compared=got["not_compared"])
+    assert report.exact(row) == "n/a"
+    lines = report.exactness_lines(_result_with([row]))
+    assert lines == [
+        "exact n/a (x): two plain steps from the same seed differed, so nothing could be compared"
+    ]
+
+
+class _NoDeterministicKernel(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.are_deterministic_algorithms_enabled():
+            raise RuntimeError(
+                "scatter_cuda_ does not have a deterministic implementation, but you set "
+                "'torch.use_deterministic_algorithms(True)'."
+            )
+        return super().forward(x)
+
+
+def test_an_op_without_a_deterministic_kernel_compares_nothing_and_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As on CUDA, where the comparison runs with deterministic kernels only.
+    @contextlib.contextmanager
+    def strict(device: torch.device) -> Iterator[None]:
+        torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+    monkeypatch.setattr(measure, "deterministic_kernels", strict)
+    workload = dataclasses.replace(
+        get_workload("mlp", "small"),
+        build=lambda: _NoDeterministicKernel(4, 4),
+        loss_fn=lambda out, target: out.sum(),
+    )
+    model = workload.model(0)
+    got = measure.exactness(workload, model, (torch.ones(2, 4), torch.zeros(2)), 0, CPU)
+    assert got["grads_equal"] is None and got["buffers_equal"] is None
+    assert got["not_compared"] == "scatter_cuda_ has no deterministic kernel on cpu"
+    assert model.weight.grad is not None  # the step the peak's measurement follows
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_an_error_that_is_not_about_determinism_is_raised() -> None:
+    error = RuntimeError("shapes cannot be multiplied")
+    assert measure._nondeterministic(error) is None
+    cublas = RuntimeError("this operation is not deterministic because it uses CuBLAS and ...")
+    assert measure._nondeterministic(cublas) == "cuBLAS (set CUBLAS_WORKSPACE_CONFIG=:4096:8)"
+
+
+def test_deterministic_kernels_are_asked_for_on_cuda_alone() -> None:
+    cudnn = torch.backends.cudnn
+    before = (cudnn.deterministic, cudnn.benchmark, torch.are_deterministic_algorithms_enabled())
+    with measure.deterministic_kernels(CPU):
+        assert (cudnn.deterministic, cudnn.benchmark) == before[:2]
+        assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(ValueError), measure.deterministic_kernels(torch.device("cuda")):
+        assert (cudnn.deterministic, cudnn.benchmark) == (True, False)
+        assert torch.are_deterministic_algorithms_enabled()
+        raise ValueError
+    after = (cudnn.deterministic, cudnn.benchmark, torch.are_deterministic_algorithms_enabled())
+    assert after == before
 
 
 def test_checkpointing_every_block_lowers_the_peak() -> None:
@@ -169,7 +291,7 @@ def test_the_printed_table_cuts_no_header_or_cell(capsys: pytest.CaptureFixture[
     assert "…" not in out
     assert "remat-auto-disk@torch-every-2" in out and "1.532 (remat-graph-mm-disk)" in out
     assert "(no plan fits; smallest 15.0 MiB)" in out
-    for header in ("peak act. MiB", "predicted MiB / time", "time vs torch", "grads equal"):
+    for header in ("peak act. MiB", "predicted MiB / time", "time vs torch", "exact"):
         assert header in out
 
 
@@ -255,7 +377,7 @@ def test_plot_with_every_kind_of_point_is_written(tmp_path: Path) -> None:
 def test_markdown_table() -> None:
     text = report.markdown(_result())
     assert "| remat-block | 20.0 | 0.20 | 1.400 | 1.40 | 1.010 (torch-block) | yes |" in text
-    assert "| slow | 50.0 | 0.50 | 2.000 | 2.00 |  | NO |" in text
+    assert "| slow | 50.0 | 0.50 | 2.000 | 2.00 |  | NO: grads |" in text
 
 
 def test_check_writable(tmp_path: Path) -> None:

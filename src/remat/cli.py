@@ -255,6 +255,8 @@ def _bench(args: argparse.Namespace) -> int:
             f"in {result.processes} timing process{'es' if result.processes > 1 else ''}); time "
             "ratios no farther from 1 than this one are within this run's noise"
         )
+    for line in report.exactness_lines(result):
+        print(line)
     _print_planning(result)
     faults = ", ".join(f"{r.strategy} {r.faults_per_step:,.0f}" for r in result.rows)
     print(f"minor page faults per step ({result.allocator} allocator): {faults}")
@@ -459,6 +461,8 @@ def _result(
             step_seconds=timing["seconds"][s],
             time_ratio=timing["ratio"][s],
             grads_equal=memory[s]["grads_equal"],
+            buffers_equal=memory[s].get("buffers_equal"),
+            not_compared=memory[s].get("not_compared"),
             counterpart=_counterpart(s, names),
             counterpart_time_ratio=timing["pairwise"].get(f"{s}/{_counterpart(s, names)}"),
             faults_per_step=timing["faults_per_step"][s],

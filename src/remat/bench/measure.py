@@ -3,14 +3,16 @@
 Run as ``python -m remat.bench.measure '<json request>'``: each request runs in a fresh
 process and prints one JSON line. The main kinds of request:
 
-``memory``: build the workload, set it up with one strategy, take a warm-up step, then measure
-the peak of one steady-state step above the memory live just before it. On CUDA that is
+``memory``: build the workload, set it up with one strategy, take a first step next to a
+plain model's (the exactness check below), then measure the peak of one steady-state step
+above the memory live just before it. On CUDA that is
 ``max_memory_allocated() - memory_allocated()``. On CPU there are no allocator statistics, so
 the step runs under ``torch.profiler`` with ``profile_memory=True`` and the peak is the maximum
 of the running sum of every allocation and free: deterministic, including recompute and backward
 temporaries, and undisturbed by other processes. Gradients are allocated before the measured
-step, so the figure is activations and temporaries, not gradients. The same process then runs
-a plain model from the same seed and checks that loss and every gradient are bit-identical.
+step, so the figure is activations and temporaries, not gradients. The first step checks that
+loss, every gradient and every buffer (BatchNorm's statistics) are bit-identical to a plain
+model's from the same seed, with deterministic kernels only on CUDA (:func:`exactness`).
 
 ``time``: every strategy's model in one process, on the same parameters and batch; each round
 times one step of each strategy, in an order that rotates from round to round, and each
@@ -29,6 +31,7 @@ that each planned strategy is measured and timed with the one plan it was given.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -36,7 +39,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -87,22 +90,116 @@ def _to(batch: Any, device: torch.device) -> Any:
 def memory(workload: Workload, strategy: str, seed: int, device: torch.device) -> dict[str, Any]:
     model = _prepared(workload, strategy, seed, device)
     batch = _to(workload.batch(seed), device)
-    training_step(model, workload, batch, seed)
+    # The comparison's step is also the warm-up of the measured one.
+    exact = exactness(workload, model, batch, seed, device)
     _zero_grads(model)
     step = functools.partial(training_step, model, workload, batch, seed)
     peak = peak_step_bytes(step, device)
+    from .strategies import PREDICTED
 
-    plain = workload.model(seed).to(device)
-    _zero_grads(model)
-    expected = training_step(plain, workload, batch, seed + 1)
-    got = training_step(model, workload, batch, seed + 1)
-    equal = torch.equal(expected, got) and all(
+    return {"peak_bytes": peak, **exact, **PREDICTED.get(id(model), {})}
+
+
+# The settings of cuBLAS's workspace under which torch counts its kernels as deterministic.
+CUBLAS_DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+@contextlib.contextmanager
+def deterministic_kernels(device: torch.device) -> Iterator[None]:
+    """On CUDA, deterministic kernels only (``torch.use_deterministic_algorithms``, cuDNN's
+    deterministic algorithms, no autotuning): by default a convolution's backward and
+    memory-efficient attention's accumulate in an order that changes from run to run, so that
+    two plain steps differ in their last bits. An op that has no deterministic kernel there
+    raises a ``RuntimeError`` that says so."""
+    if device.type != "cuda":
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    saved = (
+        cudnn.deterministic,
+        cudnn.benchmark,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    cudnn.deterministic, cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = saved[:2]
+        torch.use_deterministic_algorithms(saved[2], warn_only=saved[3])
+
+
+def _nondeterministic(error: RuntimeError) -> str | None:
+    """The op that ``error`` says has no deterministic kernel, else ``None``."""
+    text = str(error)
+    if "does not have a deterministic implementation" in text:
+        return text.split(" does not have", 1)[0].strip()
+    if "not deterministic because it uses CuBLAS" in text:
+        return f"cuBLAS (set {' '.join(f'{k}={v}' for k, v in CUBLAS_DETERMINISTIC.items())})"
+    return None
+
+
+def exactness(
+    workload: Workload, model: nn.Module, batch: Any, seed: int, device: torch.device
+) -> dict[str, Any]:
+    """Whether one step of ``model`` (the workload's model of ``seed``, fresh from its
+    strategy) gives the loss and gradients (``grads_equal``) and the buffers
+    (``buffers_equal``; ``None`` for a model without buffers) of one step of a plain model of
+    the same seed, bit for bit, under :func:`deterministic_kernels`.
+
+    Where nothing can be compared, both are ``None`` and ``not_compared`` says why: an op of
+    the step has no deterministic kernel on the device, or two plain steps differ (checked
+    where the strategy's step differs from the plain one). ``model`` has taken one step
+    either way."""
+
+    def plain_step() -> tuple[torch.Tensor, nn.Module]:
+        plain = workload.model(seed).to(device)
+        return training_step(plain, workload, batch, seed + 1), plain
+
+    def step() -> torch.Tensor:
+        return training_step(model, workload, batch, seed + 1)
+
+    try:
+        with deterministic_kernels(device):
+            expected, plain = plain_step()
+            got = step()
+    except RuntimeError as error:
+        op = _nondeterministic(error)
+        if op is None:
+            raise
+        _zero_grads(model)
+        step()  # the step the comparison would have been
+        return {
+            "grads_equal": None,
+            "buffers_equal": None,
+            "not_compared": f"{op} has no deterministic kernel on {device.type}",
+        }
+    grads, buffers = _equal(expected, plain, got, model)
+    if not grads or buffers is False:
+        with deterministic_kernels(device):
+            again, twin = plain_step()
+        if _equal(expected, plain, again, twin) != (True, None if buffers is None else True):
+            return {
+                "grads_equal": None,
+                "buffers_equal": None,
+                "not_compared": "two plain steps from the same seed differed",
+            }
+    return {"grads_equal": grads, "buffers_equal": buffers}
+
+
+def _equal(
+    expected: torch.Tensor, plain: nn.Module, got: torch.Tensor, model: nn.Module
+) -> tuple[bool, bool | None]:
+    """Loss and gradients equal; buffers equal (``None`` where there are none)."""
+    grads = torch.equal(expected, got) and all(
         p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
         for p, q in zip(plain.parameters(), model.parameters(), strict=True)
     )
-    from .strategies import PREDICTED
-
-    return {"peak_bytes": peak, "grads_equal": equal, **PREDICTED.get(id(model), {})}
+    pairs = list(zip(plain.buffers(), model.buffers(), strict=True))
+    if not pairs:
+        return grads, None
+    return grads, all(torch.equal(a, b) for a, b in pairs)
 
 
 def _busy_seconds() -> float:
@@ -417,6 +514,9 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
     if request["kind"] == "plan":
         return plan_budgets(workload, request["budgets"], seed, device)
     if request["kind"] == "memory":
+        if device.type == "cuda":  # before cuBLAS starts (see ``deterministic_kernels``)
+            for key, value in CUBLAS_DETERMINISTIC.items():
+                os.environ.setdefault(key, value)
         return memory(workload, request["strategy"], seed, device)
     if request["kind"] == "overhead":
         return engine_overhead(workload)

@@ -27,7 +27,9 @@ class Row:
     memory_ratio: float
     step_seconds: float
     time_ratio: float
-    grads_equal: bool
+    # Loss and every gradient bit-equal to a plain step's; ``None``: the plain step did not
+    # reproduce itself on the device, so nothing could be compared (``measure.exactness``).
+    grads_equal: bool | None
     counterpart: str | None = None
     counterpart_time_ratio: float | None = None
     faults_per_step: float = 0.0  # minor page faults of the process per timed step (median)
@@ -45,6 +47,41 @@ class Row:
     no_plan: str | None = None
     # The plan's option for each block, in runs of consecutive blocks (``Plan.block_runs``).
     plan_blocks: list[str] | None = None
+    # Every buffer bit-equal to a plain step's (``None``: the model has none, or nothing could
+    # be compared).
+    buffers_equal: bool | None = None
+    not_compared: str | None = None  # why nothing could be compared, where it could not
+
+
+def exact(row: Row) -> str:
+    """The exactness cell: ``yes``, ``NO: grads``, ``NO: buffers`` or ``n/a``."""
+    if row.grads_equal is None:
+        return "n/a"
+    wrong = [
+        what
+        for what, ok in (("grads", row.grads_equal), ("buffers", row.buffers_equal))
+        if ok is False
+    ]
+    return f"NO: {', '.join(wrong)}" if wrong else "yes"
+
+
+def exactness_lines(result: Result) -> list[str]:
+    """What the exactness column's ``n/a`` and ``NO: buffers`` mean, where the table has them."""
+    lines = []
+    unknown: dict[str, list[str]] = {}
+    for r in result.rows:
+        if r.grads_equal is None:
+            unknown.setdefault(r.not_compared or "no reason recorded", []).append(r.strategy)
+    for why, names in unknown.items():
+        lines.append(f"exact n/a ({', '.join(names)}): {why}, so nothing could be compared")
+    buffers = [r.strategy for r in result.rows if r.grads_equal and r.buffers_equal is False]
+    if buffers:
+        lines.append(
+            f"exact NO: buffers ({', '.join(buffers)}): gradients equal to the plain step's, "
+            "buffers not: the step wrote state a second time (a recompute that runs the "
+            "forward's writes again updates BatchNorm's running statistics twice)"
+        )
+    return lines
 
 
 @dataclass(frozen=True)
@@ -182,7 +219,7 @@ def table(result: Result) -> Any:
     headers = ("strategy", "peak act. MiB", "mem vs none", "step s", "time vs none")
     predicted = any(row.predicted_peak_bytes is not None for row in result.rows)
     extra = ("predicted MiB / time",) if predicted else ()
-    for header in (*headers, *extra, "time vs torch", "grads equal"):
+    for header in (*headers, *extra, "time vs torch", "exact"):
         t.add_column(header, justify="left" if header == "strategy" else "right", no_wrap=True)
     for row in result.rows:
         t.add_row(
@@ -193,7 +230,7 @@ def table(result: Result) -> Any:
             f"{row.time_ratio:.2f}",
             *((_predicted(row),) if predicted else ()),
             _vs(row),
-            "yes" if row.grads_equal else "NO",
+            exact(row),
         )
     return t
 
@@ -222,14 +259,14 @@ def markdown(result: Result) -> str:
     """The results as a Markdown table, for the README."""
     lines = [
         "| strategy | peak activation MiB | memory vs none | step s | time vs none "
-        "| time vs torch, same granularity | grads equal |",
+        "| time vs torch, same granularity | exact |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in result.rows:
         lines.append(
             f"| {r.strategy} | {r.peak_bytes / MIB:,.1f} | {r.memory_ratio:.2f} | "
             f"{r.step_seconds:.3f} | {r.time_ratio:.2f} | {_vs(r)} | "
-            f"{'yes' if r.grads_equal else 'NO'} |"
+            f"{exact(r)} |"
         )
     return "\n".join(lines)
 
