@@ -282,6 +282,18 @@ def test_errors() -> None:
             remat.hf.enable(model, budget="50%", example_inputs=_inputs("gpt2"), **option)
 
 
+def test_the_plan_of_a_budget_is_found_from_the_model() -> None:
+    """enable returns the model; the plan it set up, for its summary and report, is
+    ``remat.Plan.of(model)``."""
+    model = _model("gpt2")
+    assert remat.hf.enable(model, budget="80%", example_inputs=_inputs("gpt2")) is model
+    plan = remat.Plan.of(model)
+    assert plan is not None and "predicted peak" in plan.summary()
+    assert {b["path"] for b in plan.blocks} == {f"transformer.h.{i}" for i in range(2)}
+    remat.hf.disable(model)
+    assert remat.Plan.of(model) is None
+
+
 def test_unapply_takes_enables_cache_hooks_off_too() -> None:
     """After remat.unapply, a model enabled by remat.hf keeps its key/value cache again, and
     can be enabled again."""

@@ -148,6 +148,27 @@ def test_fit_with_batchnorm_and_dropout_is_exact() -> None:
     assert_records_equal(train(before, batches, loss_fn), train(fitted, batches, loss_fn))
 
 
+def test_the_plan_set_up_on_a_model_is_found_from_the_model() -> None:
+    """``remat.Plan.of(model)``: the plan ``fit`` set up (also through ``torch.compile``),
+    until ``remat.unapply`` takes it off; none after a plan that failed to apply."""
+    model, x, target = _convnet()
+    assert remat.Plan.of(model) is None
+    plan = remat.fit(
+        model, x, budget="70%", loss_fn=lambda o: nn.functional.cross_entropy(o, target)
+    )
+    assert remat.Plan.of(model) is plan
+    assert remat.Plan.of(torch.compile(model, backend="eager")) is plan
+    remat.unapply(model)
+    assert remat.Plan.of(model) is None
+    other = copy.deepcopy(model)
+    other.add_module("extra", nn.Linear(2, 2))  # another model: the fingerprint differs
+    with pytest.raises(remat.RematError):
+        plan.apply(other)
+    assert remat.Plan.of(other) is None
+    with pytest.raises(remat.RematError, match=r"expected an nn\.Module, got str"):
+        remat.Plan.of("model")  # type: ignore[arg-type]
+
+
 def test_planning_mid_accumulation_puts_back_each_gradient_tensor_and_the_generator() -> None:
     """Planned between two backwards of an accumulation, the model keeps its gradients as
     the same tensors (a reference held to one, or a view into a bucket, stays the gradient)

@@ -165,7 +165,7 @@ def disable(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.hf.disable: expected an nn.Module, got {type(model).__name__}.")
     compiled, model = model, unwrapped(model)
-    from .planning.apply import undo_option, undo_segment_on
+    from .planning.apply import forget_applied, undo_option, undo_segment_on
 
     found = 0
     for m in model.modules():
@@ -176,6 +176,7 @@ def disable(model: nn.Module) -> nn.Module:
     if found:
         undo_segment_on(model)  # a graph-engine segment closes at the end of the model's forward
         modules.unguard_hf_checkpointing(model)
+        forget_applied(model)
     if not found:
         raise RematError(
             f"remat.hf.disable: no layer of {type(model).__name__} was enabled by "

@@ -27,8 +27,10 @@ from .apply import (
     RefuseTraining,
     UnlikeProfiled,
     Unplanned,
+    applied_plan,
     apply_option,
     apply_segment,
+    note_applied,
     refuse_set_up,
     undo_all,
 )
@@ -154,7 +156,21 @@ class Plan:
             undo_all(model)  # all or nothing: the model runs plainly again, as it did
             self.policies = []
             raise
+        note_applied(model, self)
         return compiled
+
+    @staticmethod
+    def of(model: nn.Module) -> Plan | None:
+        """The plan set up on ``model`` by :meth:`apply`, and so by :func:`remat.fit` and by
+        :func:`remat.hf.enable` with a ``budget``: its ``summary()`` and ``report()``, and
+        ``save()`` for the next run. ``None`` where no plan is set up, or
+        :func:`remat.unapply` took it off. A model that ``torch.compile``,
+        ``DistributedDataParallel`` or ``nn.DataParallel`` wraps is looked up through the
+        module inside."""
+        if not isinstance(model, nn.Module):
+            raise RematError(f"remat.Plan.of: expected an nn.Module, got {type(model).__name__}.")
+        found = applied_plan(unwrapped(model))
+        return found if isinstance(found, Plan) else None
 
     def _apply(self, model: nn.Module) -> None:
         self.policies = []

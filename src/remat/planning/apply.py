@@ -502,8 +502,28 @@ def refuse_set_up(caller: str, model: nn.Module, why: str) -> None:
         )
 
 
+# The plan last applied to each model (``Plan.of``), held no longer than the model.
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def note_applied(model: nn.Module, plan: Any) -> None:
+    """Remember ``plan`` as the one set up on ``model``."""
+    _APPLIED[model] = plan
+
+
+def applied_plan(model: nn.Module) -> Any:
+    """The plan set up on ``model``, ``None`` where none is."""
+    return _APPLIED.get(model)
+
+
+def forget_applied(model: nn.Module) -> None:
+    """``model``'s plan is taken off (``remat.unapply``, ``remat.hf.disable``)."""
+    _APPLIED.pop(model, None)
+
+
 def undo_all(model: nn.Module) -> None:
     """Undo every option and segment a plan set up on ``model`` and the modules inside it."""
+    forget_applied(model)
     for module in model.modules():
         undo_option(module)
         undo_segment_on(module)
