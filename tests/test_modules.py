@@ -458,6 +458,26 @@ def test_unknown_option_raises_with_hint() -> None:
     assert not is_wrapped(model)
 
 
+def test_arguments_of_torch_and_fairscale_wrappers_say_how_to_port_them() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+
+    impl = CheckpointImpl.NO_REENTRANT
+    with pytest.raises(RematError, match=r"takes its checkpoint_impl second.*drop that argument"):
+        remat.checkpoint_wrapper(nn.Linear(2, 2), impl)  # type: ignore[arg-type]
+    with pytest.raises(RematError, match=r"'checkpoint_impl'.*always non-reentrant: drop it"):
+        remat.checkpoint_wrapper(nn.Linear(2, 2), checkpoint_impl=impl)
+    with pytest.raises(RematError, match=r"'maintain_forward_counter'.*: drop it"):
+        remat.checkpoint_wrapper(nn.Linear(2, 2), maintain_forward_counter=True)
+    with pytest.raises(RematError, match=r"'auto_wrap_policy'.*as remat\.apply's second arg"):
+        remat.apply(nn.Sequential(nn.Linear(2, 2)), nn.Linear, auto_wrap_policy=None)
+
+
+def test_a_context_fn_that_returns_one_context_manager_says_two_are_expected() -> None:
+    x = torch.randn(2, 2, requires_grad=True)
+    with pytest.raises(RematError, match=r"context_fn must return two context managers.*got "):
+        remat.checkpoint(nn.Linear(2, 2), x, context_fn=contextlib.nullcontext)
+
+
 @pytest.mark.parametrize(
     ("options", "pattern"),
     [

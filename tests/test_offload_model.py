@@ -97,6 +97,39 @@ def assert_grads_equal(plain: nn.Module, model: OffloadModel) -> None:
 # -- bit-equal gradients ---------------------------------------------------------------------
 
 
+def test_a_call_written_for_fairscale_works_unchanged() -> None:
+    """fairscale's positional order (model, device, offload_device, num_slices,
+    checkpoint_activation, num_microbatches) and its defaults (host memory, 3 slices)."""
+    x, target = gpt_batch(4)
+    cpu = torch.device("cpu")
+
+    def grads(model: nn.Module) -> list[torch.Tensor | None]:
+        torch.manual_seed(7)
+        lm_loss(model(x), target).backward()
+        return [p.grad for p in model.parameters()]
+
+    positional = OffloadModel(gpt_modules(GPT.model(0)), cpu, cpu, 3, True, 2)
+    keywords = OffloadModel(
+        gpt_modules(GPT.model(0)),
+        device=cpu,
+        offload_device=cpu,
+        num_slices=3,
+        checkpoint_activation=True,
+        num_microbatches=2,
+    )
+    assert all(
+        a is not None and b is not None and torch.equal(a, b)
+        for a, b in zip(grads(positional), grads(keywords), strict=True)
+    )
+    defaults = OffloadModel(model=gpt_modules(GPT.model(0)), device=cpu)
+    assert defaults.offload_device == "cpu" and len(defaults.slice_ranges) == 3
+    assert (defaults.checkpoint_activation, defaults.num_microbatches) == (False, 1)
+    plain = GPT.model(0)
+    grads(plain)
+    grads(defaults)
+    assert_grads_equal(plain, defaults)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("offload_device", ["cpu", "disk"])
 @pytest.mark.parametrize("checkpoint_activation", [True, False])

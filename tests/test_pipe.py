@@ -732,3 +732,18 @@ def test_debug_points_at_the_first_operator_that_differs() -> None:
         "recompute",
         "aten.sum.dim_IntList",
     ]
+
+
+def test_deferred_batch_norm_on_features_without_spatial_dimensions_says_how_to_port() -> None:
+    """A BatchNorm1d on (N, C) features, as torchgpipe refuses it too, with the way out."""
+
+    def model() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+    pipe = Pipe(model(), [2, 2], ["cpu", "cpu"], 2, deferred_batch_norm=True)
+    with pytest.raises(
+        remat.RematError, match=r"got 2 dimensions \(2, 16\).*deferred_batch_norm=False"
+    ):
+        pipe(torch.randn(4, 8))
+    plain = Pipe(model(), [2, 2], ["cpu", "cpu"], 2)
+    assert plain(torch.randn(4, 8)).shape == (4, 2)

@@ -657,6 +657,45 @@ def _op_diff(forward: list[str], recompute: list[str]) -> str:
     return "\n".join(lines)
 
 
+# Arguments of torch's and fairscale's wrappers that remat's have no use for, and what to do
+# with each when porting.
+_PORTED = {
+    "checkpoint_impl": (
+        " torch's checkpoint_impl chooses between its reentrant and non-reentrant engines; "
+        "remat's region engine is always non-reentrant: drop it."
+    ),
+    "checkpoint_fn": (
+        " torch's checkpoint_fn replaces its checkpoint function; remat wraps with its own: "
+        "drop it, and pass that function's options (policy=, context_fn=, ...) here."
+    ),
+    "maintain_forward_counter": (
+        " fairscale's maintain_forward_counter counts forwards for its own checks; remat "
+        "needs no counter (remat.is_recomputing() tells a recompute apart): drop it."
+    ),
+    "checkpoint_wrapper_fn": (
+        " torch's apply_activation_checkpointing takes the wrapper to apply; remat.apply "
+        "applies remat's: drop it, and pass the wrapper's options here."
+    ),
+    "auto_wrap_policy": (
+        " torch's auto_wrap_policy selects modules by size or class; pass the class (or a "
+        "predicate on (name, module)) as remat.apply's second argument instead."
+    ),
+}
+
+
+def _contexts(context_fn: ContextFn) -> tuple[Any, Any]:
+    """The two context managers ``context_fn`` returns, forward's and recompute's."""
+    contexts = context_fn()
+    if not (isinstance(contexts, tuple | list) and len(contexts) == 2):
+        raise RematError(
+            "remat: context_fn must return two context managers, the forward pass's and the "
+            f"recompute's (as torch's checkpoint expects), got {type(contexts).__name__}. "
+            "Return (forward_context, recompute_context); for the same one in both, return "
+            "two of them."
+        )
+    return contexts[0], contexts[1]
+
+
 @dataclass(frozen=True)
 class RegionOptions:
     """The options of a region, validated once (see :func:`checkpoint` for their meaning)."""
@@ -674,9 +713,10 @@ class RegionOptions:
         names = (*(f.name for f in fields(cls)), "use_reentrant")
         unknown = [k for k in options if k not in names]
         if unknown:
+            ported = _PORTED.get(unknown[0], "")
             raise RematError(
                 f"{caller}: unknown option {unknown[0]!r}{did_you_mean(unknown[0], names)}; "
-                f"expected any of: {', '.join(names)}."
+                f"expected any of: {', '.join(names)}.{ported}"
             )
         use_reentrant = options.pop("use_reentrant", None)
         if use_reentrant is not None and use_reentrant is not False:
@@ -925,7 +965,7 @@ def run_region(
             return function(*args, **kwargs)
 
     forward_context, recompute_context = (
-        options.context_fn()
+        _contexts(options.context_fn)
         if options.context_fn is not None
         else (contextlib.nullcontext(), contextlib.nullcontext())
     )

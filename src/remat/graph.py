@@ -114,7 +114,7 @@ from ._nodes import (
     version_of,
 )
 from ._replay import Replay
-from .errors import RematError
+from .errors import RematError, warn
 from .policies import (
     Decision,
     OpContext,
@@ -480,6 +480,9 @@ class Graph(Replay):
         if node.decision.offload is not None:
             store = store_for(node.decision.offload)
             if not store.takes(t):  # a CPU tensor and the host tier: in host memory already
+                tier_takes = getattr(store.tier, "takes", None)
+                if tier_takes is not None and not tier_takes(t.device):
+                    _warn_kept_in_host_memory(store.tier.name)
                 return
         elif scope is not None and scope.wants(t):
             store = scope.store
@@ -936,3 +939,15 @@ def region(*, policy: Any) -> Iterator[None]:
     _state.refuse_transforms("remat.region")
     with recording(policy, []):
         yield
+
+
+def _warn_kept_in_host_memory(tier: str) -> None:
+    """A policy's offload to the host tier of a tensor in host memory already: kept where it
+    is, which frees nothing, and the policy recomputes it no more either."""
+    warn(
+        f"remat: a policy offloads saved tensors to the {tier} tier, but they are on the CPU, "
+        "in host memory already: they are kept where they are, and the region holds them as "
+        "if the policy saved them. On a model that runs on the CPU, offload to disk "
+        "(offload_everything('disk'), Decision.MUST_OFFLOAD_DISK) or recompute them; the "
+        "host tier frees an accelerator's memory."
+    )

@@ -145,9 +145,15 @@ def checkpoint_wrapper(
             "For a plain function use remat.checkpoint(fn, *inputs)."
         )
     if not isinstance(offload_to_cpu, bool):
+        ported = (
+            " torch's checkpoint_wrapper takes its checkpoint_impl second; remat's region "
+            "engine is always non-reentrant: drop that argument."
+            if type(offload_to_cpu).__name__ == "CheckpointImpl"
+            else ""
+        )
         raise RematError(
             f"remat.checkpoint_wrapper: offload_to_cpu must be True or False, got "
-            f"{offload_to_cpu!r}."
+            f"{offload_to_cpu!r}.{ported}"
         )
     if not _callable(module):
         raise RematError(

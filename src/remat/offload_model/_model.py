@@ -128,6 +128,9 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 class OffloadModel(nn.Module):
     """A sequence of modules trained slice by slice from host memory or disk.
 
+    The arguments up to ``num_microbatches`` are fairscale's ``OffloadModel``'s, in its order
+    and with its defaults, so that a call written for it works unchanged.
+
     Args:
         model: an ``nn.Sequential`` or a list of modules, each feeding the next.
         device: the compute device (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
@@ -137,7 +140,7 @@ class OffloadModel(nn.Module):
             ``"disk"`` (files of a :class:`~remat.store.disk.DiskTier`; meant for training on
             the CPU, also allowed with CUDA, through host memory).
         num_slices: how many contiguous groups of modules to split ``model`` into, balanced by
-            parameter bytes; 1 to ``len(model)``.
+            parameter bytes; 1 to ``len(model)`` (default 3, as fairscale's).
         num_microbatches: the input's rows are split into this many micro-batches, each run
             through a slice before the next slice comes in.
         checkpoint_activation: keep only the slices' inputs and rerun each slice in backward
@@ -168,12 +171,12 @@ class OffloadModel(nn.Module):
     def __init__(
         self,
         model: nn.Sequential | Sequence[nn.Module],
-        *,
         device: str | torch.device,
-        offload_device: OffloadDevice | torch.device,
-        num_slices: int,
-        num_microbatches: int = 1,
+        offload_device: OffloadDevice | torch.device = "cpu",
+        num_slices: int = 3,
         checkpoint_activation: bool = False,
+        num_microbatches: int = 1,
+        *,
         disk_directory: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()

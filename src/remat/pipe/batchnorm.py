@@ -74,7 +74,10 @@ class DeferredBatchNorm(_BatchNorm):
         if input.dim() <= 2:
             raise RematError(
                 f"remat: DeferredBatchNorm takes (N, C, ...) inputs with spatial dimensions, got "
-                f"{input.dim()} dimensions {tuple(input.shape)}."
+                f"{input.dim()} dimensions {tuple(input.shape)}. deferred_batch_norm=True puts it "
+                "in place of each BatchNorm layer of the pipe (as torchgpipe's does); for a "
+                "BatchNorm1d on (N, C) features, build the Pipe with deferred_batch_norm=False, "
+                "or give the layer (N, C, 1) (x.unsqueeze(-1), and squeeze(-1) after it)."
             )
 
     def _track(self, input: Tensor) -> bool:
