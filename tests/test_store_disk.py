@@ -208,6 +208,38 @@ def test_directory_and_file_modes(tmp_path: pathlib.Path, umask: int) -> None:
         os.umask(old)
 
 
+def test_the_per_user_parent_stays_while_another_directory_is_in_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    first, second = DiskTier(tmp_path), DiskTier(tmp_path)
+    parent = _files.parent_directory(tmp_path)
+    first.close()
+    assert parent.is_dir() and second.directory.is_dir()
+    second.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_parent_removed_while_a_directory_is_made_is_made_again(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process closing its last tier removes the per-user parent between this one
+    making it and making its own directory in it: the parent is made again."""
+    sweep = _files.sweep_stale
+
+    def sweep_then_remove(parent: pathlib.Path) -> list[pathlib.Path]:
+        removed = sweep(parent)
+        os.rmdir(parent)
+        return removed
+
+    monkeypatch.setattr(_files, "sweep_stale", sweep_then_remove)
+    path = _files.private_directory(tmp_path)
+    try:
+        assert path.is_dir() and path.parent == _files.parent_directory(tmp_path)
+    finally:
+        _files.remove_private_directory(path)
+    assert os.listdir(tmp_path) == []
+
+
 def test_directory_layout(tier: DiskTier, tmp_path: pathlib.Path) -> None:
     assert tier.directory.parent == _files.parent_directory(tmp_path)
     assert tier.directory.name.startswith(f"{os.getpid()}-")
@@ -394,7 +426,7 @@ def test_normal_exit_with_a_forgotten_tier_leaves_nothing(
     out, _ = child.communicate(timeout=60)
     assert child.returncode == 0
     assert not pathlib.Path(out.strip()).exists()
-    assert os.listdir(_files.parent_directory(root)) == []
+    assert os.listdir(root) == []  # the per-user parent went with the last directory in it
 
 
 def test_close_removes_everything(tmp_path: pathlib.Path) -> None:
@@ -407,7 +439,7 @@ def test_close_removes_everything(tmp_path: pathlib.Path) -> None:
     tier.close()
     tier.close()  # twice is harmless
     assert not directory.exists()
-    assert os.listdir(directory.parent) == []
+    assert os.listdir(tmp_path) == []  # the directory the user gave is left as it was found
     with pytest.raises(RematError, match="already closed"):
         tier.put(_bytes(1))
     with pytest.raises(RematError, match="already closed"):
@@ -649,7 +681,7 @@ def test_real_full_disk_on_a_tiny_tmpfs(tmp_path: pathlib.Path) -> None:
             assert str(2 * 2**20) in str(info.value)
             assert _files_in(tier) == ["00000000.bin"]
             assert torch.equal(tier.get(small, CPU), _bytes(100_000))
-        assert os.listdir(_files.parent_directory(mount)) == []
+        assert os.listdir(mount) == []
     finally:
         subprocess.run(["umount", str(mount)], check=True, timeout=10)
 

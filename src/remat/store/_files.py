@@ -5,7 +5,8 @@ The disk tier writes saved tensors to files that may hold gigabytes. Those files
 outlive the process that wrote them, however it ends:
 
 - **normal exit or ``close()``**: the directory is removed (``remove_private_directory``,
-  and once per process an ``atexit`` hook for every directory still registered);
+  and once per process an ``atexit`` hook for every directory still registered), and the
+  per-user parent with it when no other directory is left in it;
 - **an exception**: the tier's ``close()`` or its finalizer removes it, as for a normal exit;
 - **SIGKILL, OOM killer, power loss**: nothing runs, so the next process that creates a
   directory under the same parent sweeps the directories of processes that are gone
@@ -107,6 +108,9 @@ def private_directory(root: str | os.PathLike[str] | None) -> pathlib.Path:
             _make_private(staging, exist_ok=False)
         except FileExistsError:  # pragma: no cover - 64 random bits collided
             continue
+        except FileNotFoundError:  # the last directory under it was removed, and it with it
+            _make_private(parent, exist_ok=True)
+            continue
         fd = _try_lock(staging)
         if fd is None:  # pragma: no cover - a sweep took it first, and removes it
             continue
@@ -164,6 +168,10 @@ def remove_private_directory(path: pathlib.Path) -> None:
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        # The per-user parent goes too once it is empty, so that a directory the user gave
+        # is left as it was found; one another process still uses stays (rmdir refuses).
+        with contextlib.suppress(OSError):
+            os.rmdir(path.parent)
 
 
 def _try_lock(path: pathlib.Path) -> int | None:
