@@ -112,6 +112,30 @@ def test_a_plain_step_that_does_not_reproduce_itself_compares_nothing() -> None:
     ]
 
 
+def test_a_later_step_is_compared_too() -> None:
+    """The first compared step warms up the measured one; a step after it is compared again
+    (a region's later recomputes may run unguarded): a model that goes wrong between the two
+    reads as not exact."""
+    workload = get_workload("convnet", "small")
+    batch = workload.batch(0)
+    model = workload.model(0)
+    remat.apply(model, workload.block_types)
+    ran = []
+    assert measure.exactness(workload, model, batch, 0, CPU, between=lambda: ran.append(1)) == {
+        "grads_equal": True,
+        "buffers_equal": True,
+    }
+    assert ran == [1]
+    model = remat.apply(workload.model(0), workload.block_types)
+
+    def corrupt() -> None:
+        with torch.no_grad():
+            next(model.parameters()).add_(1)
+
+    got = measure.exactness(workload, model, batch, 0, CPU, between=corrupt)
+    assert got == {"grads_equal": False, "buffers_equal": True}
+
+
 class _NoDeterministicKernel(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.are_deterministic_algorithms_enabled():

@@ -90,11 +90,16 @@ def _to(batch: Any, device: torch.device) -> Any:
 def memory(workload: Workload, strategy: str, seed: int, device: torch.device) -> dict[str, Any]:
     model = _prepared(workload, strategy, seed, device)
     batch = _to(workload.batch(seed), device)
-    # The comparison's step is also the warm-up of the measured one.
-    exact = exactness(workload, model, batch, seed, device)
-    _zero_grads(model)
     step = functools.partial(training_step, model, workload, batch, seed)
-    peak = peak_step_bytes(step, device)
+    peak = 0
+
+    def measure() -> None:
+        nonlocal peak
+        _zero_grads(model)
+        peak = peak_step_bytes(step, device)
+
+    # The first compared step is the warm-up of the measured one.
+    exact = exactness(workload, model, batch, seed, device, between=measure)
     from .strategies import PREDICTED
 
     return {"peak_bytes": peak, **exact, **PREDICTED.get(id(model), {})}
@@ -141,23 +146,32 @@ def _nondeterministic(error: RuntimeError) -> str | None:
 
 
 def exactness(
-    workload: Workload, model: nn.Module, batch: Any, seed: int, device: torch.device
+    workload: Workload,
+    model: nn.Module,
+    batch: Any,
+    seed: int,
+    device: torch.device,
+    between: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-    """Whether one step of ``model`` (the workload's model of ``seed``, fresh from its
-    strategy) gives the loss and gradients (``grads_equal``) and the buffers
-    (``buffers_equal``; ``None`` for a model without buffers) of one step of a plain model of
-    the same seed, bit for bit, under :func:`deterministic_kernels`.
+    """Whether ``model`` (the workload's model of ``seed``, fresh from its strategy) steps as a
+    plain model of the same seed does, bit for bit, under :func:`deterministic_kernels`: its
+    first step's loss and gradients (``grads_equal``) and the buffers after it
+    (``buffers_equal``; ``None`` for a model without buffers), and, after ``between()`` ran,
+    a later step's loss and gradients (``grads_equal`` too). The two steps differ where a
+    strategy learns from its first step: a region's first recompute runs under the write
+    guard, later ones may not (NOTE [ When the guard runs ] in ``_guard.py``).
 
     Where nothing can be compared, both are ``None`` and ``not_compared`` says why: an op of
     the step has no deterministic kernel on the device, or two plain steps differ (checked
-    where the strategy's step differs from the plain one). ``model`` has taken one step
-    either way."""
+    where the strategy's step differs from the plain one). ``model`` has taken its first step
+    before ``between()`` either way."""
 
     def plain_step() -> tuple[torch.Tensor, nn.Module]:
         plain = workload.model(seed).to(device)
         return training_step(plain, workload, batch, seed + 1), plain
 
     def step() -> torch.Tensor:
+        _zero_grads(model)
         return training_step(model, workload, batch, seed + 1)
 
     try:
@@ -168,8 +182,8 @@ def exactness(
         op = _nondeterministic(error)
         if op is None:
             raise
-        _zero_grads(model)
-        step()  # the step the comparison would have been
+        step()  # the first step, as the comparison would have taken it
+        between()
         return {
             "grads_equal": None,
             "buffers_equal": None,
@@ -180,11 +194,17 @@ def exactness(
         with deterministic_kernels(device):
             again, twin = plain_step()
         if _equal(expected, plain, again, twin) != (True, None if buffers is None else True):
+            between()
             return {
                 "grads_equal": None,
                 "buffers_equal": None,
                 "not_compared": "two plain steps from the same seed differed",
             }
+    between()
+    if grads:
+        with deterministic_kernels(device):
+            later = step()
+        grads = _equal(expected, plain, later, model)[0]
     return {"grads_equal": grads, "buffers_equal": buffers}
 
 
