@@ -545,6 +545,9 @@ def test_budget_texts() -> None:
     for unreadable in (".", "5..", "e3", ""):
         with pytest.raises(remat.RematError, match=r"cannot read the budget"):
             parse_budget(unreadable, 1000)
+    for nothing in ("0", "0 MiB", "-1", "-5MiB", "0.0"):  # readable, not positive
+        with pytest.raises(remat.RematError, match=r"budget must be positive, got '"):
+            parse_budget(nothing, 1000)
     for share in ("150%", "0%"):  # readable, out of range: the message says which range
         with pytest.raises(remat.RematError, match=r"must lie in \(0%, 100%\] of the plain"):
             parse_budget(share, 1000)
@@ -676,14 +679,31 @@ def test_a_model_already_under_remat_is_refused_by_plan_and_apply() -> None:
         remat.plan(other, x, budget="90%", loss_fn=loss_fn, repeats=0)
 
 
+def _two_argument_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return out.sum()
+
+
 def test_a_plan_refuses_another_model(tmp_path: Any) -> None:
     from remat.planning.planner import solve
 
     _, _, _, profiled = _profiled_gpt()
     plan = solve(profiled, "60%")
     config = GPTConfig(vocab_size=32, seq_len=16, d_model=24, n_heads=2, n_layers=3, dropout=0.1)
-    with pytest.raises(remat.RematError, match="another model: expected parameter"):
+    # The first parameter in another shape, not one the other model lacks.
+    with pytest.raises(
+        remat.RematError,
+        match=r"another model: expected parameter tok_emb\.weight of shape \[32, 16\], got "
+        r"\[32, 24\]\.",
+    ):
         plan.apply(GPT(config))
+    deeper = GPTConfig(vocab_size=32, seq_len=16, d_model=16, n_heads=2, n_layers=4, dropout=0.1)
+    with pytest.raises(
+        remat.RematError,
+        match=r"expected the parameters it was planned with, got \d+ more \(blocks\.3\.",
+    ):
+        plan.apply(GPT(deeper))
+    with pytest.raises(remat.RematError, match=r"requires 2 arguments \(out, target\)"):
+        remat.plan(GPT(config), torch.zeros(2, 16, dtype=torch.long), "50%", _two_argument_loss)
     with pytest.raises(remat.RematError, match="found 99; it was written by a newer remat"):
         remat.Plan.from_json(json.dumps({"version": 99}))
     with pytest.raises(remat.RematError, match="version 1 or 2, found 'x'; plan again"):
@@ -775,6 +795,16 @@ def test_a_changed_forward_stays_exact_and_is_reported() -> None:
     assert not set(map(id, copied)) & set(map(id, plan.policies))
     assert all(c.followed > f for c, (f, _) in zip(copied, before, strict=True))  # its own
     assert all(p.unfollowed > 0 and p.followed > 0 for p in plan.policies)
+    # Applied to a second model, the plan reports on it by default, and on the first one
+    # when asked: each model's counts are its own.
+    second = plan.apply(copy.deepcopy(model))
+    assert "0 ops followed, 0 not in the plan" in plan.report()
+    first = plan.report(model=planned)
+    assert first.count("not in the plan") == len(before) and "aten.sigmoid" in first
+    assert "0 ops followed" not in first
+    assert plan.report(model=second) == plan.report()
+    with pytest.raises(remat.RematError, match=r"it is not set up on this _Stack"):
+        plan.report(model=model)
 
 
 def test_larger_inputs_than_planned_are_followed_exactly_with_one_warning() -> None:

@@ -73,6 +73,11 @@ def parse_budget(budget: object, plain_peak: int) -> int:
                         f"remat.plan: the budget {budget!r} is less than one byte{bare}; {_HOW}."
                     )
                 return int(nbytes)
+            elif unit in _UNITS:
+                raise RematError(f"remat.plan: budget must be positive, got {budget!r}; {_HOW}.")
+        signed = _TEXT.match(budget.strip().removeprefix("-"))
+        if budget.strip().startswith("-") and signed is not None:
+            raise RematError(f"remat.plan: budget must be positive, got {budget!r}; {_HOW}.")
         raise RematError(f"remat.plan: cannot read the budget {budget!r}; {_HOW}.")
     raise RematError(
         f"remat.plan: budget must be a fraction or bytes, got {type(budget).__name__}; {_HOW}."

@@ -156,7 +156,7 @@ class Plan:
             undo_all(model)  # all or nothing: the model runs plainly again, as it did
             self.policies = []
             raise
-        note_applied(model, self)
+        note_applied(model, self, self.policies)
         return compiled
 
     @staticmethod
@@ -170,7 +170,7 @@ class Plan:
         if not isinstance(model, nn.Module):
             raise RematError(f"remat.Plan.of: expected an nn.Module, got {type(model).__name__}.")
         found = applied_plan(unwrapped(model))
-        return found if isinstance(found, Plan) else None
+        return found[0] if found is not None and isinstance(found[0], Plan) else None
 
     def _apply(self, model: nn.Module) -> None:
         self.policies = []
@@ -286,14 +286,28 @@ class Plan:
         :meth:`summary` lists them: ``"blocks.1..blocks.4  segment-2 (4 blocks, 2 segments)"``."""
         return _block_runs(self.blocks, len(self.options) > 1, aligned=False)
 
-    def report(self, observed_peak: int | None = None) -> str:
+    def report(self, observed_peak: int | None = None, *, model: nn.Module | None = None) -> str:
         """Predicted against observed: the ops each graph-engine block followed and could not
-        follow since ``apply``, and the measured peak when given."""
+        follow in every forward since ``apply`` set the plan up on ``model`` (by default the
+        model it was applied to last), and the measured peak when given."""
+        policies = self.policies
+        if model is not None:
+            found = applied_plan(unwrapped(model)) if isinstance(model, nn.Module) else None
+            if found is None or found[0] is not self:
+                raise RematError(
+                    "remat: Plan.report(model=...) reports on a model this plan is set up on, "
+                    f"and it is not set up on this {type(model).__name__}"
+                    + (" (another plan is)" if found is not None else "")
+                    + ": pass a model plan.apply(...) set up, or none for the last one."
+                )
+            policies = found[1]
         lines = [f"predicted peak {fmt_bytes(self.predicted_peak)}"]
         if observed_peak is not None:
             diff = (observed_peak - self.predicted_peak) / max(self.predicted_peak, 1)
             lines[0] += f", observed {fmt_bytes(observed_peak)} ({diff:+.1%})"
-        for p in self.policies:
+        if policies:
+            lines.append("ops of each forward since apply:")
+        for p in policies:
             line = f"  {p.block}: {p.followed} ops followed, {p.unfollowed} not in the plan"
             if p.unknown:
                 line += f" (kept; first: {p.unknown[0]})"
@@ -520,14 +534,39 @@ def check_fingerprint(planned: dict[str, Any], found: dict[str, Any]) -> None:
     if planned.get("model") != found.get("model"):
         what = f"a {planned.get('model')}, got a {found.get('model')}"
     elif planned.get("blocks") != found.get("blocks"):
-        what = f"blocks {planned.get('blocks')}, got {found.get('blocks')}"
+        want = [p for p, _ in planned.get("blocks", [])]
+        got = [p for p, _ in found.get("blocks", [])]
+        what = f"{len(want)} blocks ({_span(want)}), got {len(got)} ({_span(got)})"
+        if len(want) == len(got):
+            pairs = zip(planned["blocks"], found["blocks"], strict=True)
+            i = next(i for i, (a, b) in enumerate(pairs) if a != b)
+            what = f"block {i} to be {planned['blocks'][i]}, got {found['blocks'][i]}"
     else:
         a = {n: s for n, s in planned.get("parameters", [])}
         b = {n: s for n, s in found.get("parameters", [])}
-        diff = sorted(set(a) ^ set(b)) or sorted(n for n in a if a[n] != b.get(n))
-        name = diff[0] if diff else "?"
-        what = f"parameter {name} as {a.get(name)}, got {b.get(name)}"
+        # The first parameter both have in another shape says most; else one only one has.
+        shaped = [n for n in a if n in b and a[n] != b[n]]
+        if shaped:
+            what = f"parameter {shaped[0]} of shape {a[shaped[0]]}, got {b[shaped[0]]}"
+        else:
+            extra = sorted(set(b) - set(a))
+            missing = sorted(set(a) - set(b))
+            what = (
+                f"the parameters it was planned with, got {len(extra)} more ({extra[0]} of "
+                f"shape {b[extra[0]]}, ...)"
+                if extra
+                else f"parameter {missing[0]} of shape {a[missing[0]]}, got none"
+                if missing
+                else "the same parameters, got others"
+            )
     raise RematError(
         f"remat: this plan was made for another model: expected {what}. Plan this model with "
         "remat.plan(model, ...)."
     )
+
+
+def _span(paths: list[str]) -> str:
+    """``paths`` in a few words: ``'blocks.0 to blocks.5'``."""
+    if not paths:
+        return "none"
+    return paths[0] if len(paths) == 1 else f"{paths[0]} to {paths[-1]}"

@@ -502,17 +502,20 @@ def refuse_set_up(caller: str, model: nn.Module, why: str) -> None:
         )
 
 
-# The plan last applied to each model (``Plan.of``), held no longer than the model.
-_APPLIED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+# The plan last applied to each model (``Plan.of``) and the policies it set up there (what
+# ``Plan.report`` counts), held no longer than the model.
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, list[PlanPolicy]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def note_applied(model: nn.Module, plan: Any) -> None:
-    """Remember ``plan`` as the one set up on ``model``."""
-    _APPLIED[model] = plan
+def note_applied(model: nn.Module, plan: Any, policies: list[PlanPolicy]) -> None:
+    """Remember ``plan`` as the one set up on ``model``, with the policies it set up."""
+    _APPLIED[model] = (plan, policies)
 
 
-def applied_plan(model: nn.Module) -> Any:
-    """The plan set up on ``model``, ``None`` where none is."""
+def applied_plan(model: nn.Module) -> tuple[Any, list[PlanPolicy]] | None:
+    """The plan set up on ``model`` and its policies there, ``None`` where none is."""
     return _APPLIED.get(model)
 
 

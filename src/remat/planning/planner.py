@@ -51,6 +51,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import math
 import statistics
 import time
@@ -122,6 +123,29 @@ OFFLOAD_SECONDS_PER_BYTE = 2e-9
 _AHEAD = 2  # storages an offload scope reads ahead in backward (``Store``'s default prefetch)
 
 
+def _check_loss_fn(loss_fn: Any) -> None:
+    """Raise a :class:`RematError` unless ``loss_fn`` can be called with the output alone."""
+    if not callable(loss_fn):
+        raise RematError(
+            f"remat.plan: loss_fn must be a function of the model's output, got "
+            f"{type(loss_fn).__name__}."
+        )
+    called = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn  # a criterion
+    try:
+        parameters = inspect.signature(called).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in parameters if p.kind in positional and p.default is p.empty]
+    if len(required) > 1:
+        raise RematError(
+            f"remat.plan: loss_fn is called with the model's output alone, loss_fn(output), "
+            f"but it requires {len(required)} arguments ({', '.join(required)}). Bind the "
+            "others, e.g. loss_fn=lambda out: criterion(out, target) with the example batch's "
+            "target."
+        )
+
+
 def _step(
     model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None
 ) -> Callable[..., None]:
@@ -129,6 +153,8 @@ def _step(
     ``forward_end()`` as the forward and the loss end (inside the loop's autocast)."""
     args = inputs if isinstance(inputs, tuple) else () if isinstance(inputs, dict) else (inputs,)
     kwargs = inputs if isinstance(inputs, dict) else {}
+    if loss_fn is not None:
+        _check_loss_fn(loss_fn)
 
     def step(forward_end: Callable[[], None] | None = None) -> None:
         torch.manual_seed(0)
