@@ -221,7 +221,34 @@ BAD: list[tuple[list[str], str]] = [
     (["--strategies", "torch-block,remat-auto@torch-blok"], "unknown strategy 'torch-blok'"),
     (["--offload", "--autocast", "bf16"], "--pipeline and --offload measure in float32"),
     (["--pipeline", "--autocast", "fp16"], "--pipeline and --offload measure in float32"),
+    # options a run does not read are refused, not ignored
+    (["--list", "--offload"], "--list and --offload are separate runs; ask for one at a time"),
+    (["--list", "--rounds", "3"], "--list: does not use --rounds, --json, --no-progress"),
+    (["--offload", "--device", "cuda"], "--offload: does not use --device (it reads --json"),
+    (["--solve-time", "--disk-budgets", "0.2"], "--solve-time: does not use --disk-budgets"),
+    (["--pipeline", "--budgets", "0.5"], "--pipeline: does not use --budgets"),
+    (
+        ["--pipeline", "--hf", "gpt2"],
+        "measures the unet workload (skip connections across stages); drop --hf.",
+    ),
+    (["--strategies", ""], "--strategies takes a comma-separated list, got '', with an empty"),
+    (["--disk-budgets", "0.5,,0.2"], "--disk-budgets takes a comma-separated list, got '0.5,,0.2'"),
 ]
+
+
+def test_list_entries_are_stripped() -> None:
+    assert cli._names(" none, torch-block ", "--strategies") == ["none", "torch-block"]
+
+
+def test_an_interrupted_bench_says_so_in_one_line_and_exits_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(args: Any) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_bench", interrupted)
+    code, _, err = _run(capsys, "bench", "--list")
+    assert (code, err) == (130, "remat bench: interrupted.\n")
 
 
 def test_the_bench_on_cuda_without_cuda_stops_before_any_work(

@@ -136,12 +136,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RematError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the measuring processes are stopped and their files gone
+        print("remat bench: interrupted.", file=sys.stderr)
+        return 130
+
+
+# What each run other than the strategy table reads of the options; any other one given to it
+# is refused rather than ignored.
+_MODES = {
+    "list": ("--list", frozenset()),
+    "offload": ("--offload", frozenset({"size", "seed", "rounds", "json", "no_progress"})),
+    "pipeline": (
+        "--pipeline",
+        frozenset({"size", "seed", "rounds", "device", "json", "workload", "no_progress"}),
+    ),
+    "solve_time": ("--solve-time", frozenset({"seed", "autocast", "json", "no_progress"})),
+}
+
+
+def _refuse_unused(args: argparse.Namespace) -> None:
+    """Raise a :class:`RematError` for two runs asked at once, or for an option the asked run
+    does not read (``_MODES``): an option silently ignored is output that is not what was
+    asked for (CPU figures for ``--offload --device cuda``)."""
+    modes = [m for m in _MODES if getattr(args, m)]
+    if len(modes) > 1:
+        flags = " and ".join(_MODES[m][0] for m in modes)
+        raise RematError(f"remat bench: {flags} are separate runs; ask for one at a time.")
+    if not modes:
+        return
+    flag, used = _MODES[modes[0]]
+    given = [name for name in args.given if name not in used and name not in _MODES]
+    if given:
+        options = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        reads = (
+            ", ".join(f"--{name.replace('_', '-')}" for name in sorted(used)) or "no other option"
+        )
+        raise RematError(
+            f"remat bench {flag}: does not use {options} (it reads {reads}); drop "
+            f"{'it' if len(given) == 1 else 'them'}."
+        )
 
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench.strategies import STRATEGIES, get_strategy
     from .workloads import WORKLOAD_NAMES, get_workload
 
+    # The options given other than as their defaults, before the defaults that depend on the
+    # run are filled in.
+    defaults = vars(_parser().parse_args(["bench"]))
+    args.given = [name for name, value in vars(args).items() if value != defaults.get(name)]
     mode = " --offload" if args.offload else " --pipeline" if args.pipeline else ""
     if args.size is None:
         args.size = "small" if mode else "medium"
@@ -165,6 +208,7 @@ def _bench(args: argparse.Namespace) -> int:
         return _offload(args)
     if args.solve_time:
         return _solve_time(args)
+    _refuse_unused(args)
     if args.list:
         for entry in STRATEGIES.values():
             print(f"{entry.name:16} {entry.description}")
@@ -182,8 +226,9 @@ def _bench(args: argparse.Namespace) -> int:
     if dtype is not None:
         workload = workload.with_autocast(dtype)
         name += f"-{args.autocast}"
-    if args.strategies:
-        strategies = args.strategies.split(",")
+    _check_device(args.device)
+    if args.strategies is not None:
+        strategies = _names(args.strategies, "--strategies")
         for strategy in strategies:
             reason = get_strategy(strategy).unsupported(workload, args.device)
             if reason is not None:
@@ -197,21 +242,14 @@ def _bench(args: argparse.Namespace) -> int:
             else:
                 print(f"skipping {entry.name}: it {reason}")
     budgets, disk_budgets = args.budgets, args.disk_budgets
-    if budgets is None and not args.strategies:
+    if budgets is None and args.strategies is None:
         budgets = _DEFAULT_BUDGETS
-    if disk_budgets is None and not args.strategies:
+    if disk_budgets is None and args.strategies is None:
         disk_budgets = _DEFAULT_DISK_BUDGETS
     strategies = list(
         dict.fromkeys(strategies + _budgets(budgets, strategies) + _disk_budgets(disk_budgets))
     )
     _check_matched(strategies)
-    if args.device not in ("cpu", "cuda"):
-        raise RematError(f"remat bench: --device must be cpu or cuda, got {args.device!r}.")
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RematError("remat bench: --device cuda, but CUDA is not available here.")
     from .bench import report
 
     json_path = args.json or Path("bench-out") / f"{name}.json"
@@ -276,31 +314,33 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _print_planning(result: Any) -> None:
-    timed = [
-        f"{r.strategy} {r.plan_seconds:.1f} s (solve {r.solve_seconds:.2f} s)"
-        for r in result.rows
-        if r.plan_seconds is not None and r.solve_seconds is not None
-    ]
-    if timed and result.profile_seconds is not None:
+    planned = [r for r in result.rows if r.plan_seconds is not None and r.solve_seconds is not None]
+    if planned and result.profile_seconds is not None:
+        timed = ", ".join(f"{r.strategy} {r.plan_seconds:.1f} s" for r in planned)
+        solved = ", ".join(f"{r.strategy} {r.solve_seconds:.2f} s" for r in planned)
         print(
-            f"remat.plan: one profile in {result.profile_seconds:.1f} s, then per budget a "
-            f"solve and a measured check, in their own process: {', '.join(timed)}"
+            f"remat.plan: one profile in {result.profile_seconds:.1f} s for every budget, then "
+            f"per budget the chain's solve and a measured step: {timed}; the solvers' seconds "
+            f"of each plan, the block types' (once, in the profile) and its chain's: {solved}"
         )
 
 
 def _pipeline(args: argparse.Namespace) -> int:
-    from .bench import pipeline
+    from .bench import pipeline, report
 
     if args.workload not in ("gpt", "unet") or args.hf is not None:
         raise RematError(
             "remat bench --pipeline: measures the unet workload (skip connections across "
-            f"stages); drop --workload {args.workload if args.hf is None else '--hf'}."
+            f"stages); drop {'--workload ' + args.workload if args.hf is None else '--hf'}."
         )
+    _refuse_unused(args)
+    _check_device(args.device)
+    json_path = args.json or Path("bench-out") / f"pipeline-unet-{args.size}.json"
+    report.check_writable(json_path)
     request = {"size": args.size, "rounds": args.rounds, "seed": args.seed}
     request["device"] = args.device
     result = pipeline.measure_in_subprocess(request)
     print(result.table())
-    json_path = args.json or Path("bench-out") / f"pipeline-unet-{args.size}.json"
     pipeline.write_json(result, json_path)
     print(f"wrote {json_path}")
     return 0
@@ -525,16 +565,37 @@ class _Lines:
         print(f"[{self.count}/{self.total}] {what} ({elapsed:.0f} s)", flush=True)
 
 
+def _check_device(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise RematError(f"remat bench: --device must be cpu or cuda, got {device!r}.")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RematError("remat bench: --device cuda, but CUDA is not available here.")
+
+
+def _names(text: str, flag: str) -> list[str]:
+    """The comma-separated entries of ``text``, stripped; an empty one is refused."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise RematError(
+            f"remat bench: {flag} takes a comma-separated list, got {text!r}, with an "
+            "empty entry; drop the extra comma, or the option to take its default."
+        )
+    return parts
+
+
 def _budgets(text: str | None, strategies: list[str]) -> list[str]:
     """``remat-auto@...`` strategy names for ``--budgets``: ``remat-auto@50%`` for 0.5, and for
     the word ``torch`` one ``remat-auto@torch-...`` per torch strategy of ``strategies``."""
     from .bench.strategies import TORCH, auto_name, matched_name
 
-    if not text:
+    if text is None:
         return []
     names = []
-    for part in text.split(","):
-        if part.strip() != "torch":
+    for part in _names(text, "--budgets"):
+        if part != "torch":
             names.append(auto_name(_fraction(part)))
             continue
         torches = [s for s in strategies if s.startswith(TORCH)]
@@ -552,10 +613,11 @@ def _disk_budgets(text: str | None) -> list[str]:
     """``remat-auto-disk@...`` strategy names for ``--disk-budgets``."""
     from .bench.strategies import auto_name
 
+    if text is None:
+        return []
     return [
         auto_name(_fraction(part, "--disk-budgets"), "disk")
-        for part in (text or "").split(",")
-        if part
+        for part in _names(text, "--disk-budgets")
     ]
 
 
@@ -637,6 +699,7 @@ def _solve_time(args: argparse.Namespace) -> int:
             "remat bench --solve-time: plans a 48-layer gpt at 25% and takes no workload, "
             "strategies or budgets; drop --workload/--hf/--strategies/--budgets."
         )
+    _refuse_unused(args)
     suffix = f"-{args.autocast}" if args.autocast else ""
     json_path = args.json or Path("bench-out") / f"solve-time-gpt{suffix}.json"
     report.check_writable(json_path)
@@ -654,6 +717,7 @@ def _offload(args: argparse.Namespace) -> int:
 
     if args.workload != "gpt" or args.hf is not None:
         raise RematError("remat bench --offload: measures the gpt workload; drop --workload/--hf.")
+    _refuse_unused(args)
     json_path = args.json or Path("bench-out") / f"offload-gpt-{args.size}.json"
     report.check_writable(json_path)
     result = offload.measure(args.size, args.seed, args.rounds)
