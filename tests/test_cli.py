@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+import remat
 from remat import cli
 from remat.bench import measure
 from remat.bench.report import MIN_SPREAD
@@ -234,6 +235,21 @@ BAD: list[tuple[list[str], str]] = [
     (["--strategies", ""], "--strategies takes a comma-separated list, got '', with an empty"),
     (["--disk-budgets", "0.5,,0.2"], "--disk-budgets takes a comma-separated list, got '0.5,,0.2'"),
 ]
+
+
+def test_json_and_plot_on_one_file_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    same = str(tmp_path / "out")
+    code, _, err = _run(capsys, "bench", "--json", same, "--plot", same)
+    assert code == 2 and "--json and --plot name the same file" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"remat {remat.__version__}\n"
 
 
 def test_list_entries_are_stripped() -> None:

@@ -27,7 +27,12 @@ _AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="remat", description=__doc__)
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="remat", description="remat bench compares every strategy on one workload."
+    )
+    parser.add_argument("--version", action="version", version=f"remat {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser(
         "bench",
@@ -211,7 +216,12 @@ def _bench(args: argparse.Namespace) -> int:
     _refuse_unused(args)
     if args.list:
         for entry in STRATEGIES.values():
-            print(f"{entry.name:16} {entry.description}")
+            print(f"{entry.name:20} {entry.description}")
+        print(
+            f"{'remat-auto@50%':20} remat.plan at a budget (--budgets 0.5); remat-auto@torch-block "
+            "at that strategy's measured peak (--budgets torch); remat-auto-disk@18% with the "
+            "disk tier (--disk-budgets 0.18)"
+        )
         print("workloads:", ", ".join(WORKLOAD_NAMES), "| --hf: gpt2, llama, bert")
         return 0
     if args.hf is not None:
@@ -254,6 +264,11 @@ def _bench(args: argparse.Namespace) -> int:
 
     json_path = args.json or Path("bench-out") / f"{name}.json"
     plot_path = args.plot or Path("bench-out") / f"{name}.png"
+    if json_path.resolve() == plot_path.resolve():
+        raise RematError(
+            f"remat bench: --json and --plot name the same file, {json_path}; the plot would "
+            "overwrite the results. Give them two paths."
+        )
     for path in (json_path, plot_path):
         report.check_writable(path)
     _require("rich", "the table and progress bar")
