@@ -1210,3 +1210,24 @@ def test_a_thread_with_its_own_generator_leaves_the_replay_exact(policy: Any) ->
     # The race it avoids: a draw from the shared default generator between the two dropouts
     # shifts the second mask in forward, not in the replay.
     assert not torch.equal(grads(None, checkpointed=False), grads(None, checkpointed=True))
+
+
+def test_host_offload_of_cpu_activations_warns_and_a_few_bytes_do_not() -> None:
+    """On the CPU the host tier keeps what a policy sends it where it is: for activations the
+    policy then saves nothing, and says so; for the few bytes a CUDA model keeps on the CPU
+    (attention's random seed and offset) it does not."""
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * 2).cos().sum()
+
+    host = policies.offload_everything("host")
+    small = torch.randn(8, requires_grad=True)  # 32 bytes a tensor
+    remat.checkpoint(block, small, policy=host).backward()
+    large = torch.randn(4096, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"offloads saved tensors to the host tier, but they are"):
+        remat.checkpoint(block, large, policy=host).backward()
+    expected = torch.randn(4096).requires_grad_()
+    with torch.no_grad():
+        expected.copy_(large)
+    block(expected).backward()
+    assert torch.equal(large.grad, expected.grad)

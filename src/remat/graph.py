@@ -481,7 +481,9 @@ class Graph(Replay):
             store = store_for(node.decision.offload)
             if not store.takes(t):  # a CPU tensor and the host tier: in host memory already
                 tier_takes = getattr(store.tier, "takes", None)
-                if tier_takes is not None and not tier_takes(t.device):
+                # Not for the few bytes a CUDA model keeps on the CPU (attention's random
+                # seed and offset): a CPU model's activations.
+                if tier_takes is not None and not tier_takes(t.device) and t.nbytes >= 1024:
                     _warn_kept_in_host_memory(store.tier.name)
                 return
         elif scope is not None and scope.wants(t):
