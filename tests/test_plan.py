@@ -1590,3 +1590,64 @@ def test_blocks_frozen_when_planned_warn_once_when_they_train(tmp_path: Any) -> 
             layer.requires_grad_(False)
     remat.unapply(model)
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_a_model_fsdp_sharded_is_refused_with_the_order_that_works() -> None:
+    """Planned or set up after fully_shard, the planner would deep-copy sharded blocks (FSDP
+    refuses) and the plan's fingerprint names another class (FSDPGPT): both say to plan and
+    apply before sharding."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, x, y = _gpt()
+    plan = remat.plan(model, x, "60%", lambda o: _lm_loss(o, y), repeats=0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = copy.deepcopy(model)
+        for block in sharded.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh)
+        with pytest.raises(remat.RematError, match=r"remat.plan: the model is sharded by FSDP"):
+            remat.plan(sharded, x, "60%", lambda o: _lm_loss(o, y), repeats=0)
+        with pytest.raises(remat.RematError, match=r"Plan.apply: .* first; then call fully_shard"):
+            plan.apply(sharded)
+        # The order that works: the plan set up, then the blocks sharded.
+        fine = plan.apply(copy.deepcopy(model))
+        for block in fine.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh)
+        _lm_loss(fine(x), y).backward()
+    finally:
+        dist.destroy_process_group()
+
+
+class _SyncedBlock(nn.Module):
+    """A block that averages a statistic across ranks in its forward, as SyncBatchNorm does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        mean = x.mean(0, keepdim=True).detach().clone()
+        dist.all_reduce(mean)
+        return self.linear(x - mean).relu()
+
+
+def test_a_step_that_runs_a_collective_is_refused_before_planning() -> None:
+    """Each rank would measure, and so run the block's collective, a different number of
+    times: the planner stops after the first step, which every rank runs once."""
+    import torch.distributed as dist
+
+    model = nn.Sequential(*[_SyncedBlock() for _ in range(3)])
+    x = torch.randn(8, 16)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(remat.RematError, match=r"runs a collective \(c10d\.allreduce_: a Sync"):
+            remat.plan(model, x, "50%", repeats=0)
+        remat.apply(model, _SyncedBlock)  # by hand, the same on every rank
+        model(x).sum().backward()
+    finally:
+        dist.destroy_process_group()

@@ -186,7 +186,10 @@ class Reads:
                         "checkpointed region has other parameters or buffers than in its "
                         "forward pass (one was added or deleted since), so its recompute cannot "
                         "run as the forward pass did. Change a model's parameters after "
-                        "backward, not between forward and backward."
+                        "backward, not between forward and backward. FullyShardedDataParallel "
+                        "(FSDP1) with use_orig_params=True does this itself: shard with "
+                        "fully_shard (FSDP2) or use_orig_params=False, or give the region a "
+                        "policy (the graph engine), with which it trains."
                     )
                 changed.append((table, dict(table)))
                 table.update(zip(list(table), held, strict=True))

@@ -599,6 +599,25 @@ def _run_steps(steps: Sequence[Callable[..., Any]], x: Any) -> Any:
     return x
 
 
+def refuse_sharded(caller: str, model: nn.Module) -> None:
+    """Raise a :class:`RematError` where FSDP has sharded ``model`` or a module in it: the
+    planner measures, and a plan names, the parameters of the model as it was built."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # a build without torch.distributed
+        return
+    sharded = next(
+        (m for m in model.modules() if isinstance(m, (FSDPModule, FullyShardedDataParallel))),
+        None,
+    )
+    if sharded is not None:
+        raise RematError(
+            f"{caller}: the model is sharded by FSDP ({type(sharded).__name__}); a plan is "
+            "made and set up on the model before sharding, whose parameters it measures and "
+            "names. Plan, and apply the plan, first; then call fully_shard."
+        )
+
+
 def unwrapped(model: Any) -> Any:
     """The module inside the wrappers ``torch.compile``, ``DistributedDataParallel`` and
     ``nn.DataParallel`` put around a model (through any nesting of them), or ``model`` itself.

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import RematError
-from ..modules import guard_hf_checkpointing, unwrapped
+from ..modules import guard_hf_checkpointing, refuse_sharded, unwrapped
 from ._autocast import Autocast
 from ._budget import fmt_bytes
 from .apply import (
@@ -148,6 +148,7 @@ class Plan:
         ``torch.compile``, ``DistributedDataParallel`` or ``nn.DataParallel`` wraps is set up
         through the module inside, as :func:`remat.plan` plans it."""
         compiled, model = model, unwrapped(model)
+        refuse_sharded("Plan.apply", model)
         check_fingerprint(self.fingerprint, fingerprint(model, [b["path"] for b in self.blocks]))
         refuse_set_up("Plan.apply", model, "a plan sets up a model that runs plainly")
         try:

@@ -66,7 +66,7 @@ from torch.utils import _pytree as pytree
 from .. import modules
 from .._found import as_found
 from ..errors import NoPlanFits, RematError, warn
-from ..modules import unwrapped
+from ..modules import refuse_sharded, unwrapped
 from ._autocast import Autocast, loop_forward, outside
 from ._budget import fmt_bytes, parse_budget
 from ._plan import Option, Plan, fingerprint
@@ -921,6 +921,7 @@ def profile_model(
     """Measure ``model``'s plain step and each block type's options (see ``cost.py``)."""
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.plan: expected an nn.Module, got {type(model).__name__}.")
+    refuse_sharded("remat.plan", model)
     device = device_of(model, example_inputs)
     if device.type not in ("cpu", "cuda"):
         # Each option's memory is read from the CPU allocator's events or the CUDA

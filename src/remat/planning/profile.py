@@ -249,6 +249,27 @@ def _refuse_cache(path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
     )
 
 
+class _Collectives(EagerMode):
+    """Notes the collectives (``c10d`` and functional collective ops) a step runs."""
+
+    NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func.namespace in self.NAMESPACES:
+            self.seen.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
 def capture(
     model: nn.Module, paths: list[str], step: Callable[..., Any], *, named: bool = True
 ) -> Blocks:
@@ -326,13 +347,26 @@ def capture(
                 for got in found.side.values():
                     got.pop(address, None)
 
+    collectives = _Collectives()
     try:
-        step(forward_end)
+        with collectives:
+            step(forward_end)
     finally:
         for h in handles:
             h.remove()
         last.clear()
         side.clear()
+    if collectives.seen:
+        raise RematError(
+            f"remat.plan: the training step runs a collective ({collectives.seen[0]}: a "
+            "SyncBatchNorm, a tensor- or expert-parallel layer, a loss reduced across ranks). "
+            "The planner runs the step and each block as many times as its measurements "
+            "take, which differs from rank to rank, so the ranks' collectives would not "
+            "pair (a hang or a size mismatch). Choose by hand, the same on every rank: "
+            "remat.apply(model, Block) recomputes each block (and runs its collectives "
+            "again in backward), or plan a copy of the model whose layers run no collective "
+            "(a BatchNorm in place of SyncBatchNorm) and set that plan up on every rank."
+        )
     # Blocks found that the step does not call, or whose output needs no gradient (frozen, fed
     # an input that needs none: autograd saves nothing in them), are left out.
     ran = [path for path in found.inputs if named or path in trains]
