@@ -506,7 +506,7 @@ def test_pending_bytes_bound(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyP
     write_all = _files.write_all
 
     def slow(fd: int, view: memoryview) -> None:
-        time.sleep(0.002)
+        time.sleep(0.02)  # far slower than a put: the puts fill the bound
         write_all(fd, view)
 
     monkeypatch.setattr(_files, "write_all", slow)

@@ -22,6 +22,7 @@ the profiled one, and the ops it does not share are simply kept.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import statistics
@@ -348,8 +349,10 @@ def capture(
                     got.pop(address, None)
 
     collectives = _Collectives()
+    # A collective needs a process group: without one, the step runs under no mode of ours.
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
-        with collectives:
+        with collectives if distributed else contextlib.nullcontext():
             step(forward_end)
     finally:
         for h in handles:
