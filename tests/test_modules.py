@@ -1270,3 +1270,36 @@ def test_a_predicate_that_reaches_a_container_wraps_the_modules_in_it() -> None:
     assert wrapped == ["layers.0", "layers.1", "layers.2"]
     model(torch.randn(BATCH, D, requires_grad=True)).sum().backward()
     assert [layer.calls for layer in model.layers] == [[False, True]] * 3
+
+
+def test_fsdp1_with_original_parameters_names_itself_and_the_setups_that_train() -> None:
+    """FSDP1 with use_orig_params=True swaps a module's parameters between forward and
+    backward; the region engine's recompute says so, and how to shard instead."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from remat.workloads import get_workload
+
+    workload = get_workload("gpt", "small")
+    x, target = workload.batch(0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for orig in (True, False):
+            model = remat.apply(workload.model(0), workload.block_types)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # FSDP1's own deprecation notices
+                sharded = FullyShardedDataParallel(
+                    model, use_orig_params=orig, device_id=torch.device("cpu")
+                )
+            loss = workload.loss_fn(sharded(x), target)
+            if orig:
+                with pytest.raises(
+                    remat.CheckpointError, match=r"FSDP1\) with use_orig_params=True"
+                ):
+                    loss.backward()
+            else:
+                loss.backward()
+    finally:
+        dist.destroy_process_group()
