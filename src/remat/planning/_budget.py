@@ -23,7 +23,7 @@ _UNITS = {
     "tib": 2**40,
 }
 _TEXT = re.compile(
-    r"^\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE
+    r"^\s*(-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE
 )
 
 _HOW = (
@@ -73,11 +73,8 @@ def parse_budget(budget: object, plain_peak: int) -> int:
                         f"remat.plan: the budget {budget!r} is less than one byte{bare}; {_HOW}."
                     )
                 return int(nbytes)
-            elif unit in _UNITS:
+            elif unit in _UNITS:  # zero or negative
                 raise RematError(f"remat.plan: budget must be positive, got {budget!r}; {_HOW}.")
-        signed = _TEXT.match(budget.strip().removeprefix("-"))
-        if budget.strip().startswith("-") and signed is not None:
-            raise RematError(f"remat.plan: budget must be positive, got {budget!r}; {_HOW}.")
         raise RematError(f"remat.plan: cannot read the budget {budget!r}; {_HOW}.")
     raise RematError(
         f"remat.plan: budget must be a fraction or bytes, got {type(budget).__name__}; {_HOW}."
