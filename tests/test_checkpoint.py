@@ -285,16 +285,49 @@ def test_early_stop_stops_at_last_tensor_still_needed() -> None:
 # -- exact replay -------------------------------------------------------------------------------
 
 
-def test_without_rng_replay_dropout_differs() -> None:
+def test_without_rng_replay_a_random_recompute_raises_where_torch_differs() -> None:
+    def body(t: torch.Tensor) -> torch.Tensor:
+        return F.dropout(t, 0.5).pow(2).sum()
+
     x = _leaf(64)
-    a, b = _fresh(x)[0], _fresh(x)[0]
+    a, b, c = _fresh(x)[0], _fresh(x)[0], _fresh(x)[0]
     torch.manual_seed(0)
-    F.dropout(a, 0.5).pow(2).sum().backward()
+    body(a).backward()
+    # Torch's checkpoint recomputes with another mask and returns other gradients.
     torch.manual_seed(0)
-    remat.checkpoint(
-        lambda t: F.dropout(t, 0.5).pow(2).sum(), b, preserve_rng_state=False
+    torch.utils.checkpoint.checkpoint(
+        body, b, use_reentrant=False, preserve_rng_state=False
     ).backward()
     assert not torch.equal(a.grad, b.grad)
+    torch.manual_seed(0)
+    out = remat.checkpoint(body, c, preserve_rng_state=False)
+    with pytest.raises(remat.CheckpointError, match=r"bernoulli.*preserve_rng_state=False"):
+        out.backward()
+    assert c.grad is None  # no gradient of the redrawn mask reached the leaf
+
+
+def test_without_rng_replay_a_region_that_draws_nothing_recomputes_exactly() -> None:
+    lin = nn.Linear(16, 16)
+    wrapped = copy.deepcopy(lin)
+    remat.checkpoint_wrapper(wrapped, preserve_rng_state=False)
+    x = torch.randn(4, 16)
+    for _ in range(3):  # the first recompute is checked, the later ones run unguarded
+        lin(x).tanh().sum().backward()
+        wrapped(x).tanh().sum().backward()
+        assert torch.equal(lin.weight.grad, wrapped.weight.grad)
+
+
+def test_without_rng_replay_a_recompute_that_stops_before_its_draw_passes() -> None:
+    # What backward needs is rebuilt before the dropout runs: nothing redrawn reaches it.
+    def body(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t.sin() * t, F.dropout(t.detach(), 0.5)
+
+    x = _leaf(64)
+    plain = _fresh(x)[0]
+    body(plain)[0].sum().backward()
+    region = _fresh(x)[0]
+    remat.checkpoint(body, region, preserve_rng_state=False)[0].sum().backward()
+    assert torch.equal(plain.grad, region.grad)
 
 
 def test_backward_leaves_global_rng_as_plain_run_does() -> None:

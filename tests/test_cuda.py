@@ -121,7 +121,8 @@ def test_autocast_bf16_regions_are_bit_exact(name: str) -> None:
 
 
 def test_dropout_masks_replay_from_the_cuda_generator() -> None:
-    """Without the replay the masks differ: the test can fail."""
+    """Without the replay the masks differ (torch's checkpoint shows it): the test can fail;
+    remat's region without it raises."""
     x = torch.randn(64, 256, device=CUDA, requires_grad=True)
 
     def body(t: torch.Tensor) -> torch.Tensor:
@@ -135,9 +136,14 @@ def test_dropout_masks_replay_from_the_cuda_generator() -> None:
     again = torch.autograd.grad(out.sum(), x)[0]
     assert torch.equal(plain, again)
     torch.manual_seed(0)
-    out = remat.checkpoint(body, x, preserve_rng_state=False)
+    out = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, preserve_rng_state=False)
     torch.cuda.manual_seed(123)
     assert not torch.equal(plain, torch.autograd.grad(out.sum(), x)[0])
+    torch.manual_seed(0)
+    out = remat.checkpoint(body, x, preserve_rng_state=False)
+    torch.cuda.manual_seed(123)
+    with pytest.raises(remat.CheckpointError, match="preserve_rng_state=False"):
+        torch.autograd.grad(out.sum(), x)
 
 
 def test_region_with_cpu_inputs_replays_its_cuda_draws() -> None:

@@ -228,12 +228,23 @@ def test_wrapper_matches_plain_bit_for_bit(steps: int) -> None:
 
 
 def test_harness_detects_a_recompute_without_rng_replay() -> None:
-    # The comparison above can fail: without RNG replay the recompute draws another dropout
-    # mask, and the gradients differ from the plain run.
+    # The comparison above can fail: without RNG replay torch's checkpoint draws another
+    # dropout mask in its recompute, and the gradients differ from the plain run.
+    def torch_without_replay(model: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        return torch_checkpoint.checkpoint(
+            model, *args, use_reentrant=False, preserve_rng_state=False, **kw
+        )
+
     _, expected = _train_fancy(steps=1)
-    _, got = _train_fancy(lambda m: remat.checkpoint_wrapper(m, preserve_rng_state=False), 1)
+    _, got = _train_fancy(call=torch_without_replay, steps=1)
     _assert_same(got[0]["out"], expected[0]["out"])
     assert _differences(got[0]["grads"], expected[0]["grads"])
+
+
+def test_wrapper_without_rng_replay_refuses_a_block_with_dropout() -> None:
+    # remat raises where torch's checkpoint (above) gives other gradients.
+    with pytest.raises(remat.CheckpointError, match="preserve_rng_state=False"):
+        _train_fancy(lambda m: remat.checkpoint_wrapper(m, preserve_rng_state=False), 1)
 
 
 def test_torch_checkpoint_updates_batchnorm_twice_remat_once() -> None:

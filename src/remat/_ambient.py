@@ -33,8 +33,23 @@ error, and ``g`` ends two draws ahead of a plain run (torch's checkpoint does bo
 Python objects are not the key: the dispatcher hands a mode a new ``torch.Generator`` object
 for the same generator, so generators are told apart by the C++ generator they wrap
 (``_cdata``). With ``preserve_rng_state=False`` nothing is replayed, as for the default
-generators. The graph engine replays each random op from the state of the generator it names,
-so it needs none of this.
+generators (see [ Random ops not replayed ]). The graph engine replays each random op from the
+state of the generator it names, so it needs none of this.
+
+NOTE [ Random ops not replayed ]
+
+``preserve_rng_state=False`` promises that the region draws no random numbers, so that its
+forward pass can skip capturing the generators. A region that draws anyway (dropout left in a
+block, a noise layer) recomputes with other numbers than its forward pass drew: the saved
+tensors it rebuilds are not the ones the forward pass used, and the gradients are of no step
+that ran. Torch's checkpoint gives those gradients without a word. remat checks the promise
+where it already looks at every op: the first recompute of each function runs under the write
+guard ([ When the guard runs ] 2 in ``_guard.py``), which notes the first op tagged
+``nondeterministic_seeded`` that it runs, from any generator; the recompute then raises a
+``CheckpointError`` naming that op, before the rebuilt tensors reach a gradient. A recompute
+that stops early before the draw (``early_stop``) rebuilt nothing from it and passes. Like a
+hidden write, a draw that a function makes only on some later call (a data-dependent branch)
+is not seen.
 """
 
 from __future__ import annotations
@@ -168,6 +183,19 @@ def unlisted_generator(generator: torch.Generator, what: str) -> CheckpointError
         "generator in one of those places (e.g. self.generator = g on a module inside it), or "
         "give the region a policy (remat.policies.recompute_everything replays each random op "
         "from its own generator's state)."
+    )
+
+
+def unreplayed_draw(op: torch._ops.OpOverload, what: str) -> CheckpointError:
+    """The error for a recompute of a ``what`` made with ``preserve_rng_state=False`` that
+    drew random numbers ([ Random ops not replayed ])."""
+    return CheckpointError(
+        f"remat: the recompute of a {what} drew random numbers ({op}), but the region was made "
+        "with preserve_rng_state=False, so the generators were not replayed: the recompute "
+        "drew other numbers than its forward pass did, and the gradients would differ from a "
+        "plain run's (torch's checkpoint returns them without an error). Pass "
+        "preserve_rng_state=True (the default); False is for regions that draw no random "
+        "numbers (put dropout in eval mode, or outside the region)."
     )
 
 

@@ -62,6 +62,8 @@ class OpInfo:
     # ``None`` when a positional argument's type could hold a tensor in some other form (a
     # generic ``t``, a dict, a custom class): every argument is then searched for tensors.
     layout: ArgLayout | None
+    # Whether the operator draws random numbers (``bernoulli_``, ``rand``, ``normal_``).
+    random: bool
     op: torch._ops.OpOverload  # held, so that its id, the cache key, stays its own
 
 
@@ -104,7 +106,8 @@ def _read_schema(op: torch._ops.OpOverload) -> OpInfo:
     counted = bool(writes) and (
         schema.name.endswith("_") or any(schema.arguments[i].is_out for i, _ in writes)
     )
-    return OpInfo(writes, counted, fresh, any(fresh), view_of, _layout(schema), op)
+    random = torch.Tag.nondeterministic_seeded in op.tags
+    return OpInfo(writes, counted, fresh, any(fresh), view_of, _layout(schema), random, op)
 
 
 # Schema types whose values hold no tensor: ``int`` stands for ScalarType, Layout and

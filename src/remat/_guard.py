@@ -533,8 +533,8 @@ class WriteGuard(EagerMode):
 
     ``generators``: the explicit generators the recompute replays (with their states); a
     random op that draws from another one (not a default generator) is noted in ``unlisted``
-    ([ Explicit generators ] 3 in _ambient.py). ``None``: nothing is replayed, nothing is
-    noted.
+    ([ Explicit generators ] 3 in _ambient.py). ``None``: nothing is replayed, and the first
+    random op of the recompute is noted in ``drew`` ([ Random ops not replayed ] there).
 
     ``lands``: writes to the storages of ``expected`` land instead of going to copies (an
     ``Undo`` puts them back after the recompute, which started from the forward pass's
@@ -563,6 +563,7 @@ class WriteGuard(EagerMode):
         self._read_unwritten: dict[int, torch.Tensor] = {}
         self._listed = None if generators is None else {generator_key(g) for g, _ in generators}
         self.unlisted: torch.Generator | None = None
+        self.drew: torch._ops.OpOverload | None = None
         self._fresh: set[int] = set()
         self.redirected = 0
         # The storages a write may go to and be undone (``None``: not known), the writes to
@@ -604,6 +605,8 @@ class WriteGuard(EagerMode):
         generator, listed = kwargs.get("generator"), self._listed
         if generator is not None and listed is not None:
             self._note_generator(generator, listed)
+        elif listed is None and info.random and self.drew is None:
+            self.drew = func
         if self._written and not self.reread:
             self.reread = any(self._storage_written(v) for v in (*args, *kwargs.values()))
         self._note_reads(info, args, kwargs)

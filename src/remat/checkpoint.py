@@ -97,6 +97,7 @@ from ._ambient import (
     restoring_rng,
     set_generators,
     unlisted_generator,
+    unreplayed_draw,
 )
 from ._dispatch import EagerMode
 from ._guard import (
@@ -602,6 +603,8 @@ class _Frame:
             stopped = True
         if guard is not None and guard.unlisted is not None:
             raise unlisted_generator(guard.unlisted, "checkpointed region")
+        if guard is not None and guard.drew is not None:
+            raise unreplayed_draw(guard.drew, "checkpointed region")
         if guard is not None:
             if reads is not None:  # what it read, checked now and before every later recompute
                 reads.learn(call.keys, guard.read)
@@ -825,7 +828,9 @@ def checkpoint(
             and non-tensor values.
         *args, **kwargs: its inputs. Keywords other than the options below go to ``function``.
         preserve_rng_state: replay the CPU and accelerator random generators in the recompute,
-            so that dropout draws the same mask. Turn off only if the function is not random.
+            so that dropout draws the same mask. Turn off only if the function is not random:
+            a recompute that draws random numbers without it raises ``CheckpointError``
+            (checked on each function's first recompute) rather than give other gradients.
         context_fn: returns two context managers; the forward pass runs under the first and
             the recompute under the second (the contract of ``torch.utils.checkpoint``, so
             ``create_selective_checkpoint_contexts`` works).
