@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import warnings
@@ -158,6 +159,17 @@ def test_the_plan_set_up_on_a_model_is_found_from_the_model() -> None:
     )
     assert remat.Plan.of(model) is plan
     assert remat.Plan.of(torch.compile(model, backend="eager")) is plan
+    # A copy runs the plan's regions, so the plan is found on it too: a deep copy (an EMA or
+    # teacher model) shares it, a whole model saved and loaded carries an equal one.
+    twin = copy.deepcopy(model)
+    assert remat.Plan.of(twin) is plan
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = remat.Plan.of(torch.load(buffer, weights_only=False))
+    assert loaded is not None and loaded.blocks == plan.blocks
+    remat.unapply(twin)
+    assert remat.Plan.of(twin) is None and remat.Plan.of(model) is plan
     remat.unapply(model)
     assert remat.Plan.of(model) is None
     other = copy.deepcopy(model)
@@ -795,6 +807,9 @@ def test_a_changed_forward_stays_exact_and_is_reported() -> None:
     assert not set(map(id, copied)) & set(map(id, plan.policies))
     assert all(c.followed > f for c, (f, _) in zip(copied, before, strict=True))  # its own
     assert all(p.unfollowed > 0 and p.followed > 0 for p in plan.policies)
+    # The copy runs this plan: asked, the plan reports the copy's own counts.
+    assert remat.Plan.of(twin) is plan
+    assert f"{copied[0].followed} ops followed" in plan.report(model=twin)
     # Applied to a second model, the plan reports on it by default, and on the first one
     # when asked: each model's counts are its own.
     second = plan.apply(copy.deepcopy(model))

@@ -167,7 +167,8 @@ class Plan:
         ``save()`` for the next run. ``None`` where no plan is set up, or
         :func:`remat.unapply` took it off. A model that ``torch.compile``,
         ``DistributedDataParallel`` or ``nn.DataParallel`` wraps is looked up through the
-        module inside."""
+        module inside. A copy of the model runs the plan too, and has it: ``copy.deepcopy``
+        shares it, a whole model saved with ``torch.save`` and loaded carries an equal one."""
         if not isinstance(model, nn.Module):
             raise RematError(f"remat.Plan.of: expected an nn.Module, got {type(model).__name__}.")
         found = applied_plan(unwrapped(model))

@@ -502,26 +502,40 @@ def refuse_set_up(caller: str, model: nn.Module, why: str) -> None:
         )
 
 
-# The plan last applied to each model (``Plan.of``) and the policies it set up there (what
-# ``Plan.report`` counts), held no longer than the model.
-_APPLIED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, list[PlanPolicy]]] = (
-    weakref.WeakKeyDictionary()
-)
+# The attribute of a model that holds the plan last applied to it (``Plan.of``) and the
+# policies it set up there (what ``Plan.report`` counts). On the model, not in a table beside
+# it: a copy of the model (an EMA's ``copy.deepcopy``, ``torch.save`` of the whole model) runs
+# the plan's regions and policies, and is found to run it.
+_APPLIED = "_remat_plan"
+
+
+class _Applied:
+    """A plan and the policies it set up on one model. A deep copy of the model shares the
+    plan (data, which the copy runs too) and copies the policies along with the modules they
+    are set on, through the same memo."""
+
+    def __init__(self, plan: Any, policies: list[PlanPolicy]) -> None:
+        self.plan = plan
+        self.policies = policies
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Applied:
+        return _Applied(self.plan, copy.deepcopy(self.policies, memo))
 
 
 def note_applied(model: nn.Module, plan: Any, policies: list[PlanPolicy]) -> None:
     """Remember ``plan`` as the one set up on ``model``, with the policies it set up."""
-    _APPLIED[model] = (plan, policies)
+    object.__setattr__(model, _APPLIED, _Applied(plan, policies))
 
 
 def applied_plan(model: nn.Module) -> tuple[Any, list[PlanPolicy]] | None:
     """The plan set up on ``model`` and its policies there, ``None`` where none is."""
-    return _APPLIED.get(model)
+    found = model.__dict__.get(_APPLIED)
+    return (found.plan, found.policies) if isinstance(found, _Applied) else None
 
 
 def forget_applied(model: nn.Module) -> None:
     """``model``'s plan is taken off (``remat.unapply``, ``remat.hf.disable``)."""
-    _APPLIED.pop(model, None)
+    model.__dict__.pop(_APPLIED, None)
 
 
 def undo_all(model: nn.Module) -> None:
