@@ -281,6 +281,16 @@ def test_region_engine_options_with_a_policy_raise(options: dict[str, Any]) -> N
 def test_a_policy_that_is_not_callable_raises() -> None:
     with pytest.raises(remat.RematError, match=r"remat\.checkpoint: policy must be a callable"):
         remat.checkpoint(torch.sin, _leaf(2), policy="save_matmuls")
+    # A built-in policy's name: the error names the function (a factory with a call).
+    for name, meant in [
+        ("save_matmuls", "policy=remat.policies.save_matmuls."),
+        ("offload_everything", "policy=remat.policies.offload_everything('host')."),
+        ("OpContext", "; see remat.policies."),  # in the module, but no policy
+        ("bogus", "; see remat.policies."),
+    ]:
+        with pytest.raises(remat.RematError) as caught:
+            remat.apply(nn.Sequential(nn.Linear(2, 2)), nn.Linear, policy=name)
+        assert str(caught.value).endswith(meant), str(caught.value)
     with (
         pytest.raises(remat.RematError, match=r"remat\.region: policy must be a callable"),
         remat.region(policy=3),

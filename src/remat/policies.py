@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import inspect
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal, TypeAlias, TypeVar
@@ -286,9 +287,12 @@ def check(policy: Any, caller: str) -> Any:
             f"policy=remat.policies.{example}."
         )
     if not callable(policy):
+        hint = "see remat.policies"
+        if isinstance(policy, str) and policy in _BUILT_IN:  # a policy's name: its function
+            hint = f"pass the function: policy=remat.policies.{_BUILT_IN[policy]}"
         raise RematError(
             f"{caller}: policy must be a callable (ctx, op, *args, **kwargs) -> Decision, got "
-            f"{type(policy).__name__} {_short(policy)}; see remat.policies."
+            f"{type(policy).__name__} {_short(policy)}; {hint}."
         )
     try:
         signature = inspect.signature(policy)
@@ -582,3 +586,14 @@ _STRONG = {d: Decision[d.name.replace("PREFER_", "MUST_")] for d in Decision if 
 def _strict(policy: Policy, ctx: OpContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
     decision = as_decision(policy(ctx, op, *args, **kwargs), policy, op)
     return _STRONG.get(decision, decision)
+
+
+# The policies (functions of ``ctx, op, ...``) and policy factories remat ships, by name: what a
+# policy given as a string meant (a factory with an example call).
+_BUILT_IN = {
+    name: _is_factory(value) or name
+    for name, value in list(globals().items())
+    if name in __all__
+    and isinstance(value, types.FunctionType)
+    and (_is_factory(value) is not None or value.__code__.co_varnames[:2] == ("ctx", "op"))
+}
