@@ -78,7 +78,9 @@ def offload(modules: list[nn.Module], tmp_path: Path, **options: Any) -> Offload
 
 
 def files_in(path: Path) -> list[Path]:
-    return [p for p in path.rglob("*") if p.is_file()]
+    # ``os.walk`` passes over a directory removed while it walks (a tier closed on its closer
+    # thread removes its per-user parent last); ``rglob`` raises there.
+    return [Path(d, f) for d, _, files in os.walk(path) for f in files]
 
 
 def grads_of(model: OffloadModel) -> dict[str, torch.Tensor | None]:
