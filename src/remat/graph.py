@@ -696,7 +696,7 @@ def _learn(func: torch._ops.OpOverload) -> _OpFacts:
         writes=writes,
         metadata_only=metadata_only,
         blank=func.overloadpacket.__name__ in _BLANK,
-        random=torch.Tag.nondeterministic_seeded in func.tags,
+        random=info.random,
         must_save=must_save_reason(func),
         special=metadata_only or bool(writes),
         in_place=len(writes) == 1 and writes[0][0] == 0,
