@@ -416,6 +416,11 @@ def random_batches(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> lis
         (nn.BatchNorm2d, (3, 6, 7, 7), torch.float32),
         (nn.BatchNorm1d, (16, 4, 9), torch.float32),
         (nn.BatchNorm3d, (4, 2, 3, 3, 3), torch.float32),
+        # Kernels that NOTE [ Deferred statistics ] does not reproduce: one micro-batch hands
+        # the statistics to ATen.
+        (nn.BatchNorm1d, (16, 4), torch.float32),
+        (nn.BatchNorm1d, (16, 4, 1), torch.float32),
+        (nn.BatchNorm2d, (8, 3, 5, 4), torch.float64),
     ],
 )
 def test_deferred_batch_norm_one_micro_batch_equals_batch_norm_bit_for_bit(
@@ -437,6 +442,14 @@ def test_deferred_batch_norm_one_micro_batch_equals_batch_norm_bit_for_bit(
     deferred = DeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(plain), chunks=1)
     assert isinstance(deferred, DeferredBatchNorm)
     for step, x in enumerate(random_batches(shape, dtype, seed=sum(shape))):
+        torch.testing.assert_close(deferred(x), plain(x), rtol=0, atol=0)
+        assert torch.equal(deferred.running_mean, plain.running_mean), step
+        assert torch.equal(deferred.running_var, plain.running_var), step
+    assert torch.equal(deferred.num_batches_tracked, plain.num_batches_tracked)
+    # Channels-last inputs, which ATen reduces with another kernel, too.
+    for step, x in enumerate(random_batches(shape, dtype, seed=1)):
+        if x.dim() == 4:
+            x = x.to(memory_format=torch.channels_last)
         torch.testing.assert_close(deferred(x), plain(x), rtol=0, atol=0)
         assert torch.equal(deferred.running_mean, plain.running_mean), step
         assert torch.equal(deferred.running_var, plain.running_var), step
@@ -734,16 +747,33 @@ def test_debug_points_at_the_first_operator_that_differs() -> None:
     ]
 
 
-def test_deferred_batch_norm_on_features_without_spatial_dimensions_says_how_to_port() -> None:
-    """A BatchNorm1d on (N, C) features, as torchgpipe refuses it too, with the way out."""
+def test_deferred_batch_norm_on_features_without_spatial_dimensions() -> None:
+    """A BatchNorm1d on (N, C) features (torchgpipe refuses them): each micro-batch is
+    normalised by its own statistics, as the plain model run micro-batch by micro-batch, bit
+    for bit, and the running statistics follow the whole mini-batch's within the documented
+    bound (ATen reduces (N, C) with a kernel that sums in float32, so the mean too is within
+    it rather than equal). A 1-D input is no batch of channels."""
 
     def model() -> nn.Sequential:
+        torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
 
-    pipe = Pipe(model(), [2, 2], ["cpu", "cpu"], 2, deferred_batch_norm=True)
-    with pytest.raises(
-        remat.RematError, match=r"got 2 dimensions \(2, 16\).*deferred_batch_norm=False"
-    ):
-        pipe(torch.randn(4, 8))
-    plain = Pipe(model(), [2, 2], ["cpu", "cpu"], 2)
-    assert plain(torch.randn(4, 8)).shape == (4, 2)
+    plain, chunks = model(), 4
+    pipe = Pipe(model(), [2, 2], ["cpu", "cpu"], chunks, deferred_batch_norm=True)
+    bn = plain[1]
+    for step in range(3):
+        x = torch.randn(64, 8) * 3 + 1
+        out = pipe(x)
+        with torch.no_grad():
+            # The plain model per micro-batch: the arithmetic the pipe's outputs follow.
+            frozen = copy.deepcopy(plain).train()
+            expected = torch.cat([frozen(m) for m in x.tensor_split(chunks)])
+            plain(x)  # the statistics of the whole mini-batch
+        assert torch.equal(out, expected), step
+        deferred = pipe.partitions[0][1]
+        assert isinstance(deferred, DeferredBatchNorm)
+        torch.testing.assert_close(deferred.running_mean, bn.running_mean, rtol=1e-6, atol=0)
+        torch.testing.assert_close(deferred.running_var, bn.running_var, rtol=1e-6, atol=0)
+    assert int(deferred.num_batches_tracked) == 3
+    with pytest.raises(remat.RematError, match=r"takes \(N, C, \.\.\.\) inputs.*got 1"):
+        DeferredBatchNorm(4)(torch.randn(4))

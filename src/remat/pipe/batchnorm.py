@@ -20,10 +20,13 @@ is ``c = (sum S_i) / n`` rounded as ATen rounds it, and the sum of squared devia
 
     sum_i  M2_i + 2 (m_i - c) (S_i - n_i m_i) + n_i (m_i - c)**2
 
-With one micro-batch ``m_0 == c``, the two last terms are zero, and the statistics are the
-kernel's bit for bit. With several, the mean still is (float64 sums of float32 data are
-exact but for extreme ranges), while the variance rounds each square about ``m_i`` instead of
-about ``c``: a few units in the last place. ``sum_squares - mean * sum`` (torchgpipe's
+With one micro-batch the layer does not defer: it hands the running statistics to
+``F.batch_norm``, which updates them as a plain BatchNorm does, on any layout and device (the
+sums above would match the contiguous CPU kernel here, ``m_0 == c``, but the kernels for
+channels-last inputs, for ``(N, C)`` features and on CUDA sum in float32). With several, for
+contiguous CPU inputs, the mean still is the kernel's (float64 sums of float32 data are exact
+but for extreme ranges), while the variance rounds each square about ``m_i`` instead of about
+``c``: a few units in the last place. ``sum_squares - mean * sum`` (torchgpipe's
 formula) loses far more to cancellation when the mean is large against the deviation.
 """
 
@@ -71,13 +74,11 @@ class DeferredBatchNorm(_BatchNorm):
         return len(self.parts)
 
     def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() <= 2:
+        if input.dim() < 2:
             raise RematError(
-                f"remat: DeferredBatchNorm takes (N, C, ...) inputs with spatial dimensions, got "
-                f"{input.dim()} dimensions {tuple(input.shape)}. deferred_batch_norm=True puts it "
-                "in place of each BatchNorm layer of the pipe (as torchgpipe's does); for a "
-                "BatchNorm1d on (N, C) features, build the Pipe with deferred_batch_norm=False, "
-                "or give the layer (N, C, 1) (x.unsqueeze(-1), and squeeze(-1) after it)."
+                f"remat: DeferredBatchNorm takes (N, C, ...) inputs, as BatchNorm does, got "
+                f"{input.dim()} dimension(s) {tuple(input.shape)}; give the batch dimension "
+                "first and the channels second."
             )
 
     def _track(self, input: Tensor) -> bool:
@@ -146,30 +147,25 @@ class DeferredBatchNorm(_BatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
+        running = (self.running_mean, self.running_var)
         if not self.training:
-            return F.batch_norm(
-                input,
-                self.running_mean,
-                self.running_var,
-                self.weight,
-                self.bias,
-                training=False,
-                momentum=0.0,
-                eps=self.eps,
-            )
-        # A meta-device run (pipeline_stage's shapes) has no values to keep.
-        if not is_recomputing() and not input.is_meta and self._track(input):
-            self._commit()
-        return F.batch_norm(
-            input,
-            None,
-            None,
-            self.weight,
-            self.bias,
-            training=True,
-            momentum=0.0,
-            eps=self.eps,
-        )
+            return F.batch_norm(input, *running, self.weight, self.bias, False, 0.0, self.eps)
+        # Each micro-batch is normalised by its own statistics, as the plain model's would be.
+        stats: tuple[Tensor | None, Tensor | None] = (None, None)
+        momentum = 0.0
+        # A recompute updates nothing; a meta-device run (pipeline_stage's shapes) has no values.
+        if not is_recomputing() and not input.is_meta:
+            if self.chunks == 1:
+                # One micro-batch is the whole mini-batch: ATen updates the statistics, as a
+                # plain BatchNorm does, bit for bit on every layout and device (NOTE [ Deferred
+                # statistics ] reproduces one CPU kernel only).
+                self.num_batches_tracked += 1
+                tracked = float(self.num_batches_tracked)
+                momentum = 1.0 / tracked if self.momentum is None else self.momentum
+                stats = running
+            elif self._track(input):
+                self._commit()
+        return F.batch_norm(input, *stats, self.weight, self.bias, True, momentum, self.eps)
 
     @classmethod
     def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
