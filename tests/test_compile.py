@@ -500,3 +500,50 @@ def test_a_per_op_plan_with_dropout_compiles_exact_and_says_what_it_could_not_fo
             every += policies
     assert len([w for w in caught if "remat" in str(w.message)]) == 4  # once per block
     assert all(q is not None and q.warned and q.unfollowed > 0 for q in every)
+
+
+class _Looped(nn.Module):
+    """One block called three times (weights shared across depth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = x + self.layer(x)
+        return x
+
+
+# A graph-engine option traced by Dynamo meets ops the eager profile did not (``aten.t``),
+# and says so: the case of every graph-engine plan under compile, tested above.
+@pytest.mark.filterwarnings("ignore:remat. the plan for layer.* could not follow")
+def test_a_shared_block_with_options_per_call_compiles_to_its_leanest() -> None:
+    """A block whose calls run different options of a plan (NOTE [ Options per call ] in
+    ``planning/apply.py``): under torch.compile every call runs the leanest, in one graph,
+    with exact gradients, saving what the block under that option at every call saves, and
+    numbering no call while Dynamo traces."""
+    torch.manual_seed(0)
+    model = _Looped()
+    x = torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(1))
+    plan = remat.plan(model, x, budget="100%", loss_fn=lambda out: out.sum(), repeats=0)
+
+    def compiled(calls: list[str]) -> tuple[list[torch.Tensor], int, int]:
+        torch._dynamo.reset()
+        plan.blocks[0].update(option=calls[0], calls=calls)
+        planned = plan.apply(copy.deepcopy(model))
+        counter = CompileCounterWithBackend("aot_eager")
+        xc = x.detach().clone().requires_grad_()
+        loss, nbytes = saved_bytes(lambda: torch.compile(planned, backend=counter)(xc).sum())
+        if len(set(calls)) > 1:
+            assert planned.layer.__dict__["forward"].count.counts == {}
+        return grads(planned, xc, loss), nbytes, counter.frame_count
+
+    options = plan.options[plan.blocks[0]["type"]]
+    lean = min((o for o in options if o.kind in ("region", "graph")), key=lambda o: o.kept).name
+    plain, plain_bytes, _ = compiled(["plain"] * 3)
+    leanest, lean_bytes, _ = compiled([lean] * 3)
+    got, nbytes, frames = compiled(["plain", lean, "plain"])
+    assert frames == 1 and nbytes == lean_bytes < plain_bytes
+    assert all(torch.equal(a, b) for a, b in zip(got, plain, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(leanest, plain, strict=True))

@@ -260,8 +260,8 @@ def test_the_blocks_are_every_run_of_one_class_outermost_first() -> None:
     nested = nn.ModuleList([_Heads(), _Heads()])
     assert find_blocks(nested) == ["0", "1"]
     assert find_blocks(nested[0]) == ["heads.0", "heads.1"]
-    with pytest.raises(remat.RematError, match="two or more modules of one class next to each"):
-        find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    # None: the planner then looks for a block the forward calls more than once.
+    assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))) == []
     # Named: a path alone, or an nn.ModuleList for its children (it is never called itself).
     heads = _Heads()
     assert find_blocks(heads, "heads") == find_blocks(heads, ["heads"]) == ["heads.0", "heads.1"]
@@ -456,34 +456,213 @@ class _Shared(nn.Module):
         return x
 
 
-def test_blocks_the_forward_calls_more_than_once_are_named_with_the_fix() -> None:
-    """The planner prices a block by its first call: with two blocks each called three times,
-    what the later calls save is beyond its options, and no plan fits below the plain step.
-    The planner says so when it profiles (a warning naming each block and its calls) and in
-    the error, with the fix: ``remat.apply`` on the block class recomputes every call, and
-    does hold less than the plain step, with its gradients bit for bit."""
+def test_blocks_the_forward_calls_more_than_once_are_planned_call_by_call(tmp_path: Any) -> None:
+    """Weights shared across depth: each call of a block saves its own activations, so each
+    call is a position of the chain with an option of its own (NOTE [ Shared blocks ] in
+    ``planner.py``). The plan fits half the plain step, measures what it predicts, follows
+    every call, and its step is bit-equal to the plain one; its file keeps each call's
+    option."""
     torch.manual_seed(0)
     model = _Shared()
     x = torch.randn(16, 8, 32)
-    called = r"the forward called 'layers\.0' 3 times, 'layers\.1' 3 times; the planner prices"
-    with (
-        pytest.warns(UserWarning, match=r"^remat\.plan: " + called) as caught,
-        pytest.raises(remat.NoPlanFits, match=r"\(Sequential\): " + called) as info,
-    ):
-        remat.plan(model, x, budget="50%", repeats=0)
-    assert "remat.apply(model, Sequential) instead of planning it" in str(info.value)
-    # The warning names the user's line, through remat.fit too.
-    with pytest.warns(UserWarning, match=called) as through_fit:
-        remat.fit(copy.deepcopy(model), x, budget="100%", repeats=0)
-    assert {w.filename for w in [*caught, *through_fit]} == {__file__}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        plan = remat.plan(model, x, budget="50%", repeats=0)
+    assert plan.measured["calls"] == {"layers.0": 3, "layers.1": 3}
+    assert [b["path"] for b in plan.blocks] == ["layers.0", "layers.1"]
+    assert all(len(b["calls"]) == 3 and b["calls"][0] == b["option"] for b in plan.blocks)
+    assert all("segment" not in b for b in plan.blocks)  # no segment covers a shared call
+    # Six calls of blocks that each keep their input: half the plain step needs some calls
+    # to keep less than plain does.
+    assert any(name != "plain" for b in plan.blocks for name in b["calls"])
+    assert plan.measured["verified_peak"] <= plan.budget
+    assert abs(plan.measured["verified_peak"] - plan.predicted_peak) <= 0.03 * plan.plain_peak
 
-    plain, shared = copy.deepcopy(model), remat.apply(copy.deepcopy(model), nn.Sequential)
+    planned = plan.apply(copy.deepcopy(model))
+    plain = copy.deepcopy(model)
     peaks = []
-    for m in (plain, shared):
+    for m in (plain, planned):
         torch.manual_seed(1)
         peaks.append(peak_step_bytes(lambda m=m: m(x).square().sum().backward(), x.device))
-    assert peaks[1] < peaks[0] / 2
-    assert_equal([p.grad for p in plain.parameters()], [p.grad for p in shared.parameters()])
+    assert peaks[1] == plan.measured["verified_peak"]
+    assert_equal([p.grad for p in plain.parameters()], [p.grad for p in planned.parameters()])
+    assert "0 not in the plan" in plan.report()
+    # Each graph-engine option of a block was followed at each call that runs it.
+    for policy in plan.policies:
+        path, name = policy.block.split(" (") if " (" in policy.block else (policy.block, "")
+        entry = next(b for b in plan.blocks if b["path"] == path)
+        runs = entry["calls"].count(name.rstrip(")")) if name else 3
+        assert policy.followed > 0 and policy.followed % runs == 0, (policy.block, runs)
+
+    # The plan file keeps the calls: a loaded plan says so, and sets a fresh model up alike.
+    plan.save(tmp_path / "plan.json")
+    loaded = remat.Plan.load(tmp_path / "plan.json")
+    assert loaded.blocks == plan.blocks and loaded.block_runs() == plan.block_runs()
+    assert all("calls" in line for line in loaded.block_runs())
+    again = loaded.apply(copy.deepcopy(model))
+    torch.manual_seed(1)
+    again(x).square().sum().backward()
+    assert_equal([p.grad for p in plain.parameters()], [p.grad for p in again.parameters()])
+
+    # Below every plan, the error names the blocks and their calls.
+    with pytest.raises(remat.NoPlanFits, match=r"'layers\.0' 3 times, 'layers\.1' 3 times"):
+        remat.plan(model, x, budget=plan.predicted_peak // 8, repeats=0)
+
+
+@pytest.mark.parametrize("calls", [["region", "plain", "region"], ["plain", "plain", "region"]])
+def test_each_call_of_a_shared_block_runs_its_own_option(calls: list[str]) -> None:
+    """The block's forward runs, at its call i of each forward of the model, option
+    ``calls[i]`` (NOTE [ Options per call ] in ``apply.py``): a region recomputes the block in
+    backward, so the block's first Linear runs once per call in forward and once more per
+    region call in backward, in every step, after a forward that raised half way, and in a
+    deep copy of the model."""
+    torch.manual_seed(0)
+    model = _Shared()
+    x = torch.randn(16, 8, 32)
+    plan = remat.plan(model, x, budget="100%", repeats=0)
+    entry = plan.blocks[0]
+    assert entry["path"] == "layers.0"
+    entry["calls"], entry["option"] = list(calls), calls[0]
+    plan.blocks[1].update(option="plain", calls=["plain"] * 3)
+    planned = plan.apply(copy.deepcopy(model))
+    assert plan.block_runs()[0].endswith("(its 3 calls in order)")
+    plain = copy.deepcopy(model)
+
+    def recomputed(m: nn.Module) -> list[int]:
+        """Which calls of the block its backward ran again: their inputs tell them apart."""
+        seen: list[float] = []
+        handle = m.layers[0][0].register_forward_hook(  # the LayerNorm, fed the call's input
+            lambda mod, args, out: seen.append(float(args[0].detach().abs().sum()))
+        )
+        try:
+            m(x).square().sum().backward()
+        finally:
+            handle.remove()
+        forward, again = seen[:3], seen[3:]
+        return sorted(forward.index(v) for v in again)
+
+    regions = [i for i, name in enumerate(calls) if name == "region"]
+    assert [recomputed(planned) for _ in range(2)] == [regions, regions]
+    # A forward that raises at its second call of the block leaves the count there; the next
+    # forward of the model starts it afresh.
+    boom = planned.layers[0][0].register_forward_pre_hook(_raise_on_call(2))
+    with pytest.raises(RuntimeError, match="second call"):
+        planned(x)
+    boom.remove()
+    assert recomputed(planned) == regions
+    assert recomputed(copy.deepcopy(planned)) == regions
+    plain(x).square().sum().backward()
+    planned.zero_grad()
+    planned(x).square().sum().backward()
+    assert_equal([p.grad for p in plain.parameters()], [p.grad for p in planned.parameters()])
+    remat.unapply(planned)
+    assert recomputed(planned) == [] and "forward" not in planned.layers[0].__dict__
+
+
+def test_calls_of_a_shared_block_offload_to_the_tier_of_their_option(monkeypatch: Any) -> None:
+    """Options with a tier, call by call: one call's block under ``remat.offload("disk")``,
+    one plain, one on the graph engine with some tensors on disk. The disk tier gets tensors
+    of the calls that offload, more from the call with everything on disk than from the
+    other; the step is bit-equal."""
+    from remat.store.disk import DiskTier
+
+    written: list[int] = []
+    put = DiskTier.put
+    monkeypatch.setattr(
+        DiskTier, "put", lambda self, t: (written.append(t.nbytes), put(self, t))[1]
+    )
+    torch.manual_seed(0)
+    model = _Shared()
+    x = torch.randn(16, 8, 32)
+    plan = remat.plan(model, x, budget="100%", repeats=0, tiers=["recompute", "disk"])
+    options = plan.options[plan.blocks[0]["type"]]
+    whole = next(o.name for o in options if o.kind == "plain" and o.tier == "disk")
+    some = next(o.name for o in options if o.kind == "graph" and "disk" in o.decisions.values())
+    plain = copy.deepcopy(model)
+    torch.manual_seed(1)
+    plain(x).square().sum().backward()
+    alone = []
+    for calls in ([whole, "plain", "plain"], ["plain", "plain", some], [whole, "plain", some]):
+        plan.blocks[0].update(option=calls[0], calls=calls)
+        planned = plan.apply(copy.deepcopy(model))
+        written.clear()
+        torch.manual_seed(1)
+        planned(x).square().sum().backward()
+        assert_equal([p.grad for p in plain.parameters()], [p.grad for p in planned.parameters()])
+        alone.append(sum(written))
+    assert alone[0] > alone[1] > 0 and alone[2] == alone[0] + alone[1]
+    assert [p.block for p in plan.policies] == [f"layers.0 ({some})"]
+    assert plan.policies[0].followed > 0
+
+
+def _raise_on_call(n: int) -> Callable[..., None]:
+    seen = [0]
+
+    def hook(module: nn.Module, args: Any) -> None:
+        seen[0] += 1
+        if seen[0] == n:
+            raise RuntimeError("second call")
+
+    return hook
+
+
+def test_the_plain_step_marks_each_call_of_a_shared_block() -> None:
+    """Each call of a shared block is a position of the chain, with its own marks: the three
+    calls of each block keep the same bytes, as a block of their own would."""
+    from remat.planning.cost import measure_plain_step
+    from remat.planning.planner import _step
+
+    torch.manual_seed(0)
+    model = _Shared()
+    x = torch.randn(16, 8, 32)
+    calls = ["layers.0", "layers.1"] * 3
+    plain = measure_plain_step(model, calls, _step(model, x, None), x.device, repeats=1)
+    assert len(plain.kept) == len(plain.backward_peaks) == len(plain.prefix) == 6
+    # Each call keeps, per row, LayerNorm's output (32) and its mean and rstd (2), ReLU's
+    # output (128, also the second Linear's input) and the block's output (32).
+    assert plain.kept == [16 * 8 * (32 + 2 + 128 + 32) * 4] * 6
+    # each call's forward starts where the calls before it left the step
+    assert plain.prefix == [sum(plain.kept[:i]) for i in range(6)]
+
+
+def test_a_block_the_forward_calls_in_a_loop_is_found_without_blocks() -> None:
+    """No run of blocks in a ModuleList or Sequential: the planner looks for the outermost
+    modules with trainable parameters that the forward calls more than once (the loop's
+    block, not the Linear inside it, nor the parameterless activation called as often)."""
+
+    class Looped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            self.act = nn.GELU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.act(self.inp(x))
+            for _ in range(4):
+                x = self.act(self.layer(x))
+            return x
+
+    torch.manual_seed(0)
+    model, x = Looped(), torch.randn(4, 8)
+    plain = copy.deepcopy(model)
+    plan = remat.fit(model, x, budget="100%", repeats=0)
+    assert [b["path"] for b in plan.blocks] == ["layer"]
+    assert plan.measured["calls"] == {"layer": 4}
+    for m in (plain, model):
+        m(x).sum().backward()
+    assert_equal([p.grad for p in plain.parameters()], [p.grad for p in model.parameters()])
+
+    class Once(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)))
+
+    with pytest.raises(remat.RematError, match=r"found no repeated blocks in Once .*blocks="):
+        remat.plan(Once(), x, repeats=0)
 
 
 @pytest.mark.parametrize("budget", ["lots", "150%", "0%", -5, 0, 1.5, None, True, "12 parsecs"])
@@ -582,7 +761,7 @@ def test_plan_file_round_trip(tmp_path: Any) -> None:
     path = tmp_path / "plan.json"
     plan.save(path)
     data = json.loads(path.read_text())
-    assert data["version"] == 2 and data["budget"] == plan.budget
+    assert data["version"] == 3 and data["budget"] == plan.budget
     assert data["solver"]["block"].startswith("HiGHS")
     tensors = [t for opts in data["options"].values() for o in opts for t in o["tensors"]]
     assert tensors and {"key", "bytes", "decision", "reason"} <= set(tensors[0])
@@ -596,7 +775,7 @@ def test_plan_file_round_trip(tmp_path: Any) -> None:
         for o in opts:
             del o["side"]
     old = remat.Plan.from_json(json.dumps(data))
-    assert old.version == 2
+    assert old.version == 3
     assert all(o.side == 0 for opts in old.options.values() for o in opts)
     assert old.blocks == plan.blocks and old.predicted_peak == plan.predicted_peak
 
@@ -632,8 +811,14 @@ def test_plan_file_round_trip(tmp_path: Any) -> None:
         (lambda d: d.update(solver=[]), "solver is []"),
         (lambda d: d["blocks"][0].update(segment="nope"), "from 'nope', which is no block"),
         (lambda d: d["blocks"][0].update(option="other"), "option 'other', which its type"),
+        (lambda d: d["blocks"][0].update(calls="plain"), "has calls 'plain', not options"),
+        (lambda d: d["blocks"][0].update(calls=["nope"]), "has calls ['nope'], not options"),
     ]:
         assert what in damaged(change), what
+    # A call of a block runs an option of that one block, never a segment's.
+    segment = next(o["name"] for o in data["options"][kind] if o["kind"] == "segment")
+    calls = [segment, "plain"]
+    assert "that cover one block" in damaged(lambda d: d["blocks"][0].update(calls=calls))
     path.write_bytes(b"\x80PK\x03\x04 a torch checkpoint, not text")
     with pytest.raises(remat.RematError, match=r"a plan file is JSON text, but .* is not text"):
         remat.Plan.load(path)
@@ -718,7 +903,7 @@ def test_a_plan_refuses_another_model(tmp_path: Any) -> None:
         remat.plan(GPT(config), torch.zeros(2, 16, dtype=torch.long), "50%", _two_argument_loss)
     with pytest.raises(remat.RematError, match="found 99; it was written by a newer remat"):
         remat.Plan.from_json(json.dumps({"version": 99}))
-    with pytest.raises(remat.RematError, match="version 1 or 2, found 'x'; plan again"):
+    with pytest.raises(remat.RematError, match="version 1 or 2 or 3, found 'x'; plan again"):
         remat.Plan.from_json(json.dumps({"version": "x"}))
     with pytest.raises(remat.RematError, match="must be JSON"):
         remat.Plan.from_json("not json")

@@ -8,6 +8,7 @@ whose fingerprint (class, parameter names and shapes, block paths) differs raise
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import types
@@ -23,12 +24,14 @@ from ._autocast import Autocast
 from ._budget import fmt_bytes
 from .apply import (
     OFFLOADS,
+    CallCount,
     PlanPolicy,
     RefuseTraining,
     UnlikeProfiled,
     Unplanned,
     applied_plan,
     apply_option,
+    apply_per_call,
     apply_segment,
     note_applied,
     refuse_set_up,
@@ -39,8 +42,10 @@ __all__ = ["Plan"]
 
 # 2: options record the side inputs they hold (``Option.side``). A version-1 file reads as
 # holding none, which is what its plan predicted with.
-VERSION = 2
-_READABLE = (1, 2)
+# 3: a block the forward calls more than once lists the option of each call (``calls``), which
+# a reader of version 2 would not run.
+VERSION = 3
+_READABLE = (1, 2, 3)
 
 
 @dataclass
@@ -109,8 +114,9 @@ class Plan:
     predicted_peak: int
     predicted_seconds: float
     # {"path", "type", "option"} in forward order; the blocks of a segment all name it, and
-    # "segment" names the path of its first block.
-    blocks: list[dict[str, str]]
+    # "segment" names the path of its first block; a block the forward calls more than once
+    # lists the option of each call in "calls" ("option" is its first call's).
+    blocks: list[dict[str, Any]]
     options: dict[str, list[Option]]  # block type -> its options
     solver: dict[str, Any]
     tiers: list[str]
@@ -128,19 +134,23 @@ class Plan:
 
     # -- applying ------------------------------------------------------------------------------
 
-    def option(self, block: dict[str, str]) -> Option:
+    def option(self, block: dict[str, Any]) -> Option:
         """The option ``block`` runs under: for a block of a segment, the segment's, which its
         first block's type holds (the blocks after it may be of another, see
         ``Blocks.chained`` in ``profile.py``)."""
         first = block.get("segment", block["path"])
         if first != block["path"]:
             block = next((b for b in self.blocks if b["path"] == first), block)
-        for o in self.options[block["type"]]:
-            if o.name == block["option"]:
+        return self._named(block["type"], block["option"])
+
+    def _named(self, block_type: str, name: str) -> Option:
+        """Option ``name`` of ``block_type``."""
+        for o in self.options[block_type]:
+            if o.name == name:
                 return o
         raise RematError(
-            f"remat: the plan names option {block['option']!r} for {block['path']}, which its "
-            f"block type {block['type']} lacks; the plan file is damaged. Plan again."
+            f"remat: the plan names option {name!r} for a block of type {block_type}, which "
+            "lacks it; the plan file is damaged. Plan again."
         )
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -180,13 +190,21 @@ class Plan:
         for paths in segments(self.blocks):
             o = self.option(first[paths[0]])
             apply_segment(model, paths, o.tier, o.linked)
+        count = None  # the calls of shared blocks, numbered in each forward
         for block in self.blocks:
             o = self.option(block)
             if o.kind == "segment":
                 continue
-            policy = apply_option(
-                model.get_submodule(block["path"]), block["path"], o.kind, o.decisions, o.tier
-            )
+            module = model.get_submodule(block["path"])
+            calls = block.get("calls", [])
+            if len(set(calls)) > 1:  # see [ Options per call ] in ``apply.py``
+                if count is None:
+                    count = CallCount()
+                    model.register_forward_pre_hook(count.reset)
+                options = [self._named(block["type"], name) for name in calls]
+                self.policies += apply_per_call(module, block["path"], options, count)
+                continue
+            policy = apply_option(module, block["path"], o.kind, o.decisions, o.tier)
             if policy is not None:
                 self.policies.append(policy)
         if self.blocks:
@@ -465,14 +483,32 @@ def _damage(plan: Plan) -> str:
         first = block.get("segment", block["path"])
         if first not in paths:
             return f"block {block['path']} is in a segment from {first!r}, which is no block"
-        if first == block["path"] and block["option"] not in {
-            o.name for o in plan.options[block["type"]]
-        }:
+        names = {o.name for o in plan.options[block["type"]]}
+        if first == block["path"] and block["option"] not in names:
             return f"block {block['path']} runs option {block['option']!r}, which its type lacks"
+        calls = block.get("calls")
+        singles = {o.name for o in plan.options[block["type"]] if o.kind != "segment"}
+        if calls is not None and (
+            not isinstance(calls, list)
+            or not calls
+            or any(not isinstance(c, str) or c not in singles for c in calls)
+            or "segment" in block
+        ):
+            return (
+                f"block {block['path']} has calls {calls!r}, not options of its type that "
+                "cover one block"
+            )
     return ""
 
 
-def segments(blocks: list[dict[str, str]]) -> list[list[str]]:
+def option_of_call(block: dict[str, Any], call: int) -> str:
+    """The name of the option ``block`` (a plan's entry) runs at its call number ``call``: a
+    block the forward calls more than once lists each call's (``calls``)."""
+    calls = block.get("calls")
+    return str(calls[call] if isinstance(calls, list) and call < len(calls) else block["option"])
+
+
+def segments(blocks: list[dict[str, Any]]) -> list[list[str]]:
     """The paths of each segment a plan's blocks form, in forward order."""
     found: dict[str, list[str]] = {}
     for block in blocks:
@@ -496,7 +532,9 @@ def fingerprint(model: nn.Module, blocks: list[str]) -> dict[str, Any]:
 
 def _block_runs(blocks: list[dict[str, Any]], several_types: bool, aligned: bool) -> list[str]:
     """One line per run of consecutive blocks of ``blocks`` with the same option, by path,
-    with how many blocks (or segments) it holds; ``aligned``: the options in one column."""
+    with how many blocks (or segments) it holds; ``aligned``: the options in one column. A
+    block the forward calls more than once (its ``calls``) has a line of its own, which says
+    so."""
     runs: list[list[Any]] = []  # first path, last path, label, blocks, segments
     for block in blocks:
         path = block["path"]
@@ -504,8 +542,18 @@ def _block_runs(blocks: list[dict[str, Any]], several_types: bool, aligned: bool
             runs[-1][1] = path
             runs[-1][3] += 1
             continue
-        label = (f"{block['type']}: " if several_types else "") + block["option"]
-        if runs and runs[-1][2] == label:
+        label = f"{block['type']}: " if several_types else ""
+        names = block.get("calls", [])
+        if len(set(names)) > 1:  # consecutive calls with one option, counted
+            groups = [(n, len(list(g))) for n, g in itertools.groupby(names)]
+            label += ", ".join(f"{n} x{k}" if k > 1 else n for n, k in groups)
+            label += f" (its {len(names)} calls in order)"
+        else:
+            label += block["option"]
+            label += f" (each of its {len(names)} calls)" if len(names) > 1 else ""
+        if len(names) > 1:
+            runs.append([path, path, label, 1, 1])
+        elif runs and runs[-1][2] == label:
             runs[-1][1] = path
             runs[-1][3] += 1
             runs[-1][4] += 1

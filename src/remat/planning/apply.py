@@ -96,9 +96,15 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import _state
-from ..checkpoint import LinkedCalls
+from ..checkpoint import LinkedCalls, RegionOptions
 from ..errors import RematError, warn
-from ..modules import checkpoint_wrapper, forward_signature, is_wrapped, remove_hooks
+from ..modules import (
+    _CheckpointedForward,
+    checkpoint_wrapper,
+    forward_signature,
+    is_wrapped,
+    remove_hooks,
+)
 from ..policies import Decision, OpContext, recompute_everything
 from ..store import offload
 from ..store.scope import _NAMES
@@ -106,7 +112,15 @@ from ._autocast import Autocast
 from ._budget import fmt_bytes
 from .profile import KeyCounter, device_of
 
-__all__ = ["Linked", "LinkedForward", "PlanPolicy", "Segment", "SegmentForward"]
+__all__ = [
+    "CallCount",
+    "Linked",
+    "LinkedForward",
+    "PerCallForward",
+    "PlanPolicy",
+    "Segment",
+    "SegmentForward",
+]
 
 OFFLOADS: tuple[str, ...] = _NAMES  # the tiers a decision or an option may name
 
@@ -214,6 +228,129 @@ def apply_option(
     block.register_forward_pre_hook(_reset)
     block.register_forward_hook(_done)
     return policy
+
+
+# NOTE [ Options per call ]
+#
+# A block the forward calls more than once runs, at each call, the option the plan gave that
+# call (see [ Shared blocks ] in ``planner.py``). Where its calls' options differ, its
+# instance-level forward is a :class:`PerCallForward`, which numbers the block's calls in each
+# forward of the model and runs the call's option: the class's forward (plain), a region of
+# the region engine, or one of the graph engine with the option's :class:`PlanPolicy` (one per
+# option, its occurrence count started afresh at each call), inside ``remat.offload(tier)``
+# for an option with a tier. A forward pre-hook on the model the plan was applied to starts
+# the numbers afresh (:class:`CallCount`); calls past the planned ones (a forward that loops
+# more, a block called from outside the model) go round the planned ones again. Every option
+# is exact, so numbers out of step with the plan move memory and time, never gradients.
+# Under ``torch.compile`` each call runs the leanest of the block's options (the least kept
+# bytes), as Dynamo traces that option on a block of its own: no number is read or advanced
+# while Dynamo traces, whose restarts of a trace would see it advanced.
+
+
+class CallCount:
+    """The calls of each shared block so far in the model's forward under way, by path."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def reset(self, module: nn.Module, args: Any) -> None:
+        """A forward of the model begins (a forward pre-hook on it)."""
+        if not torch.compiler.is_compiling():
+            self.counts = {}
+
+    def next(self, path: str, calls: int) -> int:
+        """The number of the call of block ``path`` that begins, among its ``calls``."""
+        n = self.counts.get(path, 0)
+        self.counts[path] = n + 1
+        return n % calls
+
+
+class _Run:
+    """One option of a shared block, as its calls run it."""
+
+    def __init__(
+        self, forward: _CheckpointedForward | None, policy: PlanPolicy | None, tier: str | None
+    ) -> None:
+        self.forward = forward  # None: the class's forward, plainly
+        self.policy = policy
+        self.tier = tier
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        compiling = torch.compiler.is_compiling()
+        with contextlib.ExitStack() as stack:
+            if self.tier is not None:
+                stack.enter_context(offload(self.tier))  # type: ignore[arg-type]
+            if self.policy is not None and not compiling:
+                self.policy.reset()
+            if self.forward is None:
+                out = type(module).forward(module, *args, **kwargs)
+            else:
+                out = self.forward(*args, **kwargs)
+            if self.policy is not None and not compiling:
+                self.policy.done()
+        return out
+
+
+class PerCallForward:
+    """The instance-level ``forward`` of a block whose calls run different options of a plan
+    (see [ Options per call ]); holds the block weakly, as ``checkpoint_wrapper``'s forward
+    does."""
+
+    __slots__ = ("count", "leanest", "module_ref", "path", "runs")
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return forward_signature(self.module_ref())
+
+    def __init__(
+        self, module: nn.Module, path: str, runs: list[_Run], count: CallCount, leanest: int
+    ) -> None:
+        self.module_ref = weakref.ref(module)
+        self.path = path
+        self.runs = runs  # one per planned call
+        self.count = count
+        self.leanest = leanest  # the call whose option runs every call under torch.compile
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = _block(self.module_ref)
+        if torch.compiler.is_compiling():
+            return self.runs[self.leanest](module, args, kwargs)
+        return self.runs[self.count.next(self.path, len(self.runs))](module, args, kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PerCallForward:
+        copied = _copied_block(self.module_ref, memo)
+        runs = copy.deepcopy(self.runs, memo)
+        return PerCallForward(
+            copied, self.path, runs, copy.deepcopy(self.count, memo), self.leanest
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            PerCallForward,
+            (self.module_ref(), self.path, self.runs, self.count, self.leanest),
+        )
+
+
+def apply_per_call(
+    block: nn.Module, path: str, options: list[Any], count: CallCount
+) -> list[PlanPolicy]:
+    """Set ``block`` up to run ``options[i]`` (each a plan's ``Option``) at its call ``i``;
+    returns the policies of its graph-engine options."""
+    runs: dict[str, _Run] = {}
+    for o in options:
+        if o.name in runs:
+            continue
+        policy = None
+        forward = None
+        if o.kind != "plain":
+            if o.kind != "region":
+                policy = PlanPolicy(decisions=dict(o.decisions), block=f"{path} ({o.name})")
+            parsed = RegionOptions.parse("remat.plan", {"policy": policy} if policy else {})
+            forward = _CheckpointedForward(block, False, parsed)
+        runs[o.name] = _Run(forward, policy, o.tier)
+    leanest = min(range(len(options)), key=lambda i: options[i].kept)
+    block.forward = PerCallForward(block, path, [runs[o.name] for o in options], count, leanest)
+    return [r.policy for r in runs.values() if r.policy is not None]
 
 
 def _policy(module: nn.Module) -> PlanPolicy | None:
@@ -364,7 +501,7 @@ def input_bytes(inputs: Any) -> int:
 
 def undo_option(block: nn.Module) -> None:
     """Undo :func:`apply_option` on ``block``: its class's forward, no plan hooks."""
-    if is_wrapped(block):
+    if is_wrapped(block) or isinstance(block.__dict__.get("forward"), PerCallForward):
         del block.forward
     remove_hooks(block, _option_hook)
 
@@ -375,7 +512,7 @@ def _option_hook(hook: Any) -> bool:
         hook is _reset
         or hook is _done
         or isinstance(hook, (RefuseTraining, UnlikeProfiled, Unplanned))
-        or isinstance(getattr(hook, "__self__", None), Offloaded)
+        or isinstance(getattr(hook, "__self__", None), (Offloaded, CallCount))
     )
 
 
@@ -480,7 +617,9 @@ def set_up(model: nn.Module) -> str | None:
     path: str
     for path, module in model.named_modules():
         forward = module.__dict__.get("forward")
-        if is_wrapped(module) or isinstance(forward, (LinkedForward, SegmentForward)):
+        if is_wrapped(module) or isinstance(
+            forward, (LinkedForward, SegmentForward, PerCallForward)
+        ):
             return path
         hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
         if any(

@@ -432,40 +432,42 @@ def measure_plain_step(
     device: torch.device,
     repeats: int = 3,
 ) -> PlainStep:
-    """Mark each block's forward and backward in one plain step and measure them; ``step``
-    calls its argument where the forward and the loss end."""
-    modules = [model.get_submodule(p) for p in paths]
+    """Mark each block call's forward and backward in one plain step and measure them;
+    ``step`` calls its argument where the forward and the loss end. ``paths`` holds the path
+    of each block call in forward order: a block the forward calls several times (weights
+    shared across depth) is there once per call, and each call is marked as a block of its own.
+    """
+    modules = {p: model.get_submodule(p) for p in paths}
     marks: list[Mark] = []
     handles = []
+    calls = [0]  # the block calls the forward made so far in the marked step
+    n = len(paths)
 
-    def pre(i: int) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
+    def pre(module: nn.Module, args: Any) -> None:
+        if marks and calls[0] < n:
+            marks[0](f"fs{calls[0]}")
+
+    def post(module: nn.Module, args: Any, out: Any) -> None:
+        if not marks or calls[0] >= n:
+            return  # calls past the forward's (a recompute in backward) are not marked
+        i = calls[0]
+        calls[0] += 1
+        marks[0](f"fe{i}")
+        t = first_tensor(out)
+
+        def grad_hook(g: torch.Tensor) -> None:
             if marks:
-                marks[0](f"fs{i}")
+                marks[0](f"bs{i}")
 
-        return hook
+        t.register_hook(grad_hook)  # type: ignore[no-untyped-call]
 
-    def post(i: int) -> Any:
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if not marks:
-                return
-            marks[0](f"fe{i}")
-            t = first_tensor(out)
-
-            def grad_hook(g: torch.Tensor) -> None:
-                if marks:
-                    marks[0](f"bs{i}")
-
-            t.register_hook(grad_hook)  # type: ignore[no-untyped-call]
-
-        return hook
-
-    for i, m in enumerate(modules):
-        handles.append(m.register_forward_pre_hook(pre(i)))
-        handles.append(m.register_forward_hook(post(i)))
+    for m in modules.values():
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
 
     def run(mark: Mark) -> None:
         marks.append(mark)
+        calls[0] = 0
         try:
             step(lambda: mark("forward_end"))
         finally:
@@ -478,7 +480,6 @@ def measure_plain_step(
     finally:
         for h in handles:
             h.remove()
-    n = len(paths)
     base = 0
     level0 = line.levels[f"fs{0}"]
     kept = [line.levels[f"fe{i}"] - line.levels[f"fs{i}"] for i in range(n)]

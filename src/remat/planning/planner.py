@@ -55,7 +55,7 @@ import inspect
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -65,11 +65,11 @@ from torch.utils import _pytree as pytree
 
 from .. import modules
 from .._found import as_found
-from ..errors import NoPlanFits, RematError, warn
+from ..errors import NoPlanFits, RematError
 from ..modules import refuse_sharded, unwrapped
 from ._autocast import Autocast, loop_forward, outside
 from ._budget import fmt_bytes, parse_budget
-from ._plan import Option, Plan, fingerprint
+from ._plan import Option, Plan, fingerprint, option_of_call
 from .apply import (
     OFFLOADS,
     apply_option,
@@ -96,8 +96,10 @@ from .profile import (
     first_tensor,
     fresh_inputs,
     grad_outputs,
+    no_blocks_found,
     profile_block,
     selects_by_class,
+    shared_blocks,
     timed,
 )
 from .solve import (
@@ -724,11 +726,13 @@ def _chain(
     groups: Sequence[str] = (),
     chained: dict[str, str] | None = None,
     side: int = 0,
+    shared: Container[int] = (),
 ) -> tuple[ChainCosts, list[list[ChainOption]], list[list[str]]]:
     """The chain model's constants, and per block the options that may start there (a segment
     only where the blocks it covers are what its measured chain was, see :func:`_covers`, and,
-    if ``groups`` names one per block, of one group) with their names. ``side``: the bytes of
-    the side inputs every block gets (see [ Side inputs ] in ``solve.py``)."""
+    if ``groups`` names one per block, of one group, and none of them a call of a block
+    called more than once, at a position of ``shared``) with their names. ``side``: the bytes
+    of the side inputs every block gets (see [ Side inputs ] in ``solve.py``)."""
     base = {name: next(o for o in opts if o.kind == "plain") for name, opts in options.items()}
     # What is live besides the blocks' kept bytes at each block's backward, measured there: in
     # a U-Net the skip tensors and their gradients make it differ from block to block, and one
@@ -759,7 +763,11 @@ def _chain(
             o
             for o in options[t]
             if o.span == 1
-            or (_covers(types, i, o.span, chained or {}) and len(set(groups[i : i + o.span])) <= 1)
+            or (
+                _covers(types, i, o.span, chained or {})
+                and len(set(groups[i : i + o.span])) <= 1
+                and not any(j in shared for j in range(i, i + o.span))
+            )
         ]
         chain.append(
             [
@@ -819,6 +827,19 @@ def _smallest(costs: ChainCosts, chain: list[list[ChainOption]]) -> int:
 # At most this many steps below the bisection's answer (each one or two DPs).
 _SMALLEST_STEPS = 64
 
+# NOTE [ Shared blocks ]
+#
+# A block the forward calls several times (weights shared across depth: ALBERT's layer, a
+# looped transformer) saves activations at each call, so each call is a position of the
+# chain: the plain step marks each call as a block of its own (``measure_plain_step``), and
+# each is priced by the options of the block's type, measured on its first call's inputs.
+# Each call takes an option of its own, as a block of its own would (at half the memory,
+# some calls run plainly and others recompute): the plan lists them, call by call, in the
+# block's entry (``calls``), and the block's forward picks its call's option (see
+# [ Options per call ] in ``apply.py``). No segment covers a call of a shared block: a
+# segment opens at its first block's call and closes at its last's, which a block called
+# again would do again in the middle.
+
 
 @dataclass
 class Profiled:
@@ -847,8 +868,8 @@ class Profiled:
     side_bytes: int = 0
     autocast: Autocast | None = None  # the loop's, around each forward
     device: str = "cpu"  # the type of the device the step ran and was measured on
-    # The blocks the step's forward called more than once, and how many times: each is priced
-    # by its first call (see ``_repeated``).
+    # The blocks the step's forward called more than once, and how many times: each call is a
+    # position of the chain, all of them run one option (see [ Shared blocks ]).
     repeated: dict[str, int] = field(default_factory=dict)
     # The blocks found that computed no gradient in the profiled step (see ``Blocks.frozen``).
     frozen: list[str] = field(default_factory=list)
@@ -858,8 +879,20 @@ class Profiled:
 
     def __post_init__(self) -> None:
         self.costs, self.chain, self.names = _chain(
-            self.plain, self.types, self.options, self.groups, self.chained, self.side_bytes
+            self.plain,
+            self.types,
+            self.options,
+            self.groups,
+            self.chained,
+            self.side_bytes,
+            # The calls of blocks the forward calls more than once: no segment covers them.
+            {i for i, p in enumerate(self.paths) if p in self.repeated},
         )
+
+    @property
+    def blocks(self) -> list[str]:
+        """The blocks' paths, each once, in the order of their first calls."""
+        return list(dict.fromkeys(self.paths))
 
     def restricted(self, tiers: Sequence[str]) -> Profiled:
         """The same measurements with only the options that use no more than ``tiers``."""
@@ -941,22 +974,25 @@ def profile_model(
     started = time.perf_counter()
     with outside(autocast), _as_found(model, device):
         step = _step(model, example_inputs, loss_fn)
+        if not paths:  # no runs of blocks: a block the forward calls again and again?
+            paths = shared_blocks(model, step)
+            if not paths:
+                raise no_blocks_found(model)
         named = blocks is not None and not selects_by_class(blocks)
         found = capture(model, paths, step, named=named)
         paths = found.paths
-        repeated = {p: n for p in paths if (n := found.calls.get(p, 1)) > 1}
-        if repeated:
-            classes = {p: type(model.get_submodule(p)).__name__ for p in repeated}
-            warn(f"remat.plan: {_repeated(repeated, classes)}")
+        # The chain's positions: each block call of the forward (see [ Shared blocks ]).
+        calls = found.order
+        repeated = {p: n for p in paths if (n := calls.count(p)) > 1}
+        types = dict(zip(paths, found.types, strict=True))
         # Every predicted ratio divides by this time: the median of as many steps as each
         # option's timing takes (a 2-core machine's steps vary by 5-10%).
-        plain = measure_plain_step(model, paths, step, device, repeats=max(repeats, 1))
+        plain = measure_plain_step(model, calls, step, device, repeats=max(repeats, 1))
         options: dict[str, list[Option]] = {}
         bandwidths: dict[str, float] = {}
         solve_seconds = 0.0
         most = MAX_SEGMENT if segments else 1
         longest = {t: min(n, most) for t, n in _runs(found.types, found.chained).items()}
-        runs = _linked_runs(paths, found.linked)
         # Segments of a type link where a block of it is followed by one its chain covers,
         # called with its output.
         linked = {
@@ -1006,8 +1042,8 @@ def profile_model(
             samples = [*plain.samples, *later]
             plain = dataclasses.replace(plain, seconds=statistics.median(samples), samples=samples)
     return Profiled(
-        paths=paths,
-        types=found.types,
+        paths=calls,
+        types=[types[p] for p in calls],
         plain=plain,
         options=options,
         fingerprint=fingerprint(model, paths),
@@ -1016,8 +1052,8 @@ def profile_model(
         profile_seconds=time.perf_counter() - started,
         bandwidths=bandwidths,
         groups=[
-            run if any(o.linked for o in options[t]) else ""
-            for run, t in zip(runs, found.types, strict=True)
+            run if any(o.linked for o in options[types[p]]) else ""
+            for run, p in zip(_linked_runs(calls, found.linked), calls, strict=True)
         ],
         chained=dict(found.chained),
         training=model.training,
@@ -1042,31 +1078,19 @@ def _shared_side_bytes(side: list[dict[int, int]]) -> int:
 def _planned_blocks(profiled: Profiled) -> str:
     """Which blocks the plan chose options for, for an error that says no plan fits: the
     blocks found may not be the ones that hold the step's memory, or may run more than once."""
-    paths = profiled.paths
+    paths = profiled.blocks
     span = paths[0] if len(paths) == 1 else f"{paths[0]} to {paths[-1]}"
     types = ", ".join(dict.fromkeys(c for _, c in profiled.fingerprint.get("blocks", [])))
     planned = f"It planned {len(paths)} block{'s' * (len(paths) > 1)}, {span} ({types})"
     if profiled.repeated:
-        classes = dict(profiled.fingerprint.get("blocks", []))
-        return f"{planned}: {_repeated(profiled.repeated, classes)}"
+        planned += f" ({_repeated(profiled.repeated)})"
     return f"{planned}; if the step's memory is elsewhere, name the blocks to plan with blocks=."
 
 
-def _repeated(calls: dict[str, int], classes: dict[str, str]) -> str:
-    """What a plan misses on blocks the forward calls more than once (weights shared across
-    depth): the profile measures a block's first call, and the chain places each block once,
-    so what its later calls save counts as memory outside the blocks, which no option lowers.
-    A plan stays exact and within its budget (the measured step checks it); it may be slower
-    than need be, or not found."""
+def _repeated(calls: dict[str, int]) -> str:
+    """The blocks the forward calls more than once, for a message (see [ Shared blocks ])."""
     runs = ", ".join(f"{p!r} {n} times" for p, n in calls.items())
-    names = ", ".join(dict.fromkeys(classes.get(p, "Block") for p in calls))
-    return (
-        f"the forward called {runs}; the planner prices a block by its first call, so what "
-        "the later calls save is memory no option of the plan lowers, and it may find a "
-        "slower plan than fits, or none. Recompute every call of a shared block with "
-        f"remat.apply(model, {names}) instead of planning it, or plan blocks that run once "
-        "with blocks=."
-    )
+    return f"the forward called {runs}, each call planned as a block"
 
 
 def _linked_runs(paths: list[str], linked: set[str]) -> list[str]:
@@ -1152,6 +1176,7 @@ def solve(
             "input_bytes": profiled.input_bytes,
             "device": profiled.device,
             "frozen": list(profiled.frozen),
+            "calls": dict(profiled.repeated),
         },
     )
 
@@ -1170,20 +1195,26 @@ def _chain_solver(chain: list[list[ChainOption]], optimal: bool) -> str:
     )
 
 
-def _blocks(profiled: Profiled, picks: list[int]) -> list[dict[str, str]]:
-    """A plan's ``blocks`` entries for an assignment: each block's option, and for the blocks
-    of a segment the path of its first block."""
-    out: list[dict[str, str]] = []
+def _blocks(profiled: Profiled, picks: list[int]) -> list[dict[str, Any]]:
+    """A plan's ``blocks`` entries for an assignment: each block's option, for the blocks of
+    a segment the path of its first block, and for a block called more than once each call's
+    option."""
+    out: dict[str, dict[str, Any]] = {}
     name, first = "", None  # the option in force, and the first block of its segment if any
     for i, (path, t, k) in enumerate(zip(profiled.paths, profiled.types, picks, strict=True)):
         if k >= 0:  # an option starts here; -1: the segment started before goes on
             name = profiled.names[i][k]
             first = path if profiled.chain[i][k].span > 1 else None
-        entry = {"path": path, "type": t, "option": name}
+        if path in out:  # a later call of a shared block (see [ Shared blocks ])
+            out[path]["calls"].append(name)
+            continue
+        entry: dict[str, Any] = {"path": path, "type": t, "option": name}
         if first is not None:
             entry["segment"] = first
-        out.append(entry)
-    return out
+        if path in profiled.repeated:
+            entry["calls"] = [name]  # the option of each call; ``option``: the first's
+        out[path] = entry
+    return list(out.values())
 
 
 def measured_peak(
@@ -1227,10 +1258,14 @@ def _charged(
 
 def _picks(profiled: Profiled, plan: Plan) -> list[tuple[int, int]]:
     """The (block, option index) pairs a plan made by :func:`solve` chose."""
+    entries = {entry["path"]: entry for entry in plan.blocks}
+    seen: dict[str, int] = {}  # calls of each block so far
     out = []
-    for i, entry in enumerate(plan.blocks):
-        if entry.get("segment", entry["path"]) == entry["path"]:  # not inside a segment
-            out.append((i, profiled.names[i].index(entry["option"])))
+    for i, path in enumerate(profiled.paths):  # each call of a shared block is a position
+        entry = entries[path]
+        call = seen[path] = seen.get(path, -1) + 1
+        if entry.get("segment", path) == path:  # not inside a segment
+            out.append((i, profiled.names[i].index(option_of_call(entry, call))))
     return out
 
 

@@ -97,9 +97,9 @@ class Blocks:
     # The blocks found that ran and computed no gradient (frozen, fed an input that needs
     # none), left out of the plan.
     frozen: list[str] = field(default_factory=list)
-    # Per block, how many times the step's forward called it (weights shared across depth
-    # call one block several times; the planner prices its first call).
-    calls: dict[str, int] = field(default_factory=dict)
+    # The path of each block call of the step's forward, in order (weights shared across depth
+    # call one block several times: each call is a position of the planner's chain).
+    order: list[str] = field(default_factory=list)
 
 
 def op_key(module: str, op: Any, occurrence: int) -> str:
@@ -143,7 +143,7 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
     or ``nn.Sequential`` that sits in a run of two or more of one class (runs in which some
     block has trainable parameters, where any run has such a block). A run inside a block is
     part of the block; a run of containers (stages) holding runs of their own gives way to
-    those."""
+    those. Found none: ``[]`` (see :func:`shared_blocks`)."""
     names = dict(model.named_modules())
     if blocks is not None:
         if selects_by_class(blocks):
@@ -186,14 +186,46 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
         for n in found
         if not isinstance(names[n], containers) or not any(o.startswith(n + ".") for o in found)
     ]
-    found = _outermost(found)
-    if not found:
-        raise RematError(
-            f"remat.plan: found no repeated blocks in {type(model).__name__} (two or more "
-            "modules of one class next to each other in an nn.ModuleList or nn.Sequential); "
-            "name them with blocks=['layers.0', ...] or blocks=BlockClass."
-        )
-    return found
+    return _outermost(found)
+
+
+def no_blocks_found(model: nn.Module) -> RematError:
+    """The error for a model in which neither :func:`find_blocks` nor :func:`shared_blocks`
+    found a block."""
+    return RematError(
+        f"remat.plan: found no repeated blocks in {type(model).__name__} (two or more "
+        "modules of one class next to each other in an nn.ModuleList or nn.Sequential, or one "
+        "module with trainable parameters that the forward calls more than once); name them "
+        "with blocks=['layers.0', ...] or blocks=BlockClass."
+    )
+
+
+def shared_blocks(model: nn.Module, step: Callable[..., Any]) -> list[str]:
+    """The blocks of a model that shares weights across depth (ALBERT's layer, a looped
+    transformer), for a model in which :func:`find_blocks` found none: the outermost
+    submodules with trainable parameters that the forward of one ``step(forward_end)`` calls
+    more than once, in the order of their first calls."""
+    calls: dict[str, int] = {}
+    forwarding = [True]
+
+    def count(path: str) -> Callable[..., None]:
+        def pre(module: nn.Module, args: Any) -> None:
+            if forwarding:
+                calls[path] = calls.get(path, 0) + 1
+
+        return pre
+
+    handles = [
+        module.register_forward_pre_hook(count(path))
+        for path, module in model.named_modules()
+        if path and any(p.requires_grad for p in module.parameters())
+    ]
+    try:
+        step(forwarding.clear)
+    finally:
+        for h in handles:
+            h.remove()
+    return _outermost([path for path, n in calls.items() if n > 1])
 
 
 def _outermost(paths: list[str]) -> list[str]:
@@ -282,10 +314,12 @@ def capture(
     names = dict(model.named_modules())
     found = Blocks(paths=list(paths), types=[])
     handles = []
+    forwarding = [True]  # emptied where the forward and the loss end
 
     def hook(path: str) -> Any:
         def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
-            found.calls[path] = found.calls.get(path, 0) + 1
+            if forwarding:  # not a call the backward makes (a user's own checkpoint)
+                found.order.append(path)
             if path not in found.inputs:
                 _refuse_cache(path, module, args, kwargs)
                 for t in side_inputs((args, kwargs)):
@@ -343,6 +377,7 @@ def capture(
     side: dict[int, torch.UntypedStorage] = {}
 
     def forward_end() -> None:
+        forwarding.clear()
         for address, storage in side.items():
             if used_elsewhere(storage):
                 for got in found.side.values():
