@@ -595,6 +595,64 @@ def test_calls_of_a_shared_block_offload_to_the_tier_of_their_option(monkeypatch
     assert plan.policies[0].followed > 0
 
 
+class _Rounds(_Shared):
+    """``_Shared`` with as many rounds over its blocks as ``rounds`` says."""
+
+    rounds = 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.rounds):
+            for layer in self.layers:
+                x = x + layer(x)
+        return x
+
+
+@pytest.mark.parametrize("first", [["region", "plain", "region"], ["region"] * 3])
+def test_a_forward_that_calls_a_shared_block_more_than_planned_warns_once(
+    first: list[str],
+) -> None:
+    """Calls past the planned ones are not in the plan (NOTE [ Options per call ] in
+    ``apply.py``): the first such call of each block warns, once, naming the block and its
+    planned calls, whether its calls run several options or one; the step stays bit-equal.
+    Fewer calls than planned, and more in no-grad mode, hold no more than the plan: no
+    warning."""
+    torch.manual_seed(0)
+    model = _Rounds()
+    x = torch.randn(16, 8, 32)
+    plan = remat.plan(model, x, budget="100%", repeats=0)
+    plan.blocks[0].update(option=first[0], calls=list(first))
+    plan.blocks[1].update(option="plain", calls=["plain"] * 3)
+    planned = plan.apply(copy.deepcopy(model))
+    plain = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for rounds in (3, 2, 3):
+            planned.rounds = rounds
+            planned(x).sum().backward()
+        planned.rounds = 5
+        with torch.no_grad():
+            planned(x)
+    planned.zero_grad()
+    for m in (plain, planned):
+        m.rounds = 4
+    with pytest.warns(UserWarning) as record:
+        torch.manual_seed(1)
+        planned(x).square().sum().backward()
+        torch.manual_seed(1)
+        planned(x).square().sum().backward()  # once per block: the second step is quiet
+    messages = sorted(str(w.message) for w in record)
+    assert len(messages) == 2, messages
+    for path, message in zip(["layers.0", "layers.1"], messages, strict=True):
+        assert message.startswith(
+            f"remat: block '{path}' was called more than the 3 times in one forward"
+        )
+        assert "does not hold for this step (gradients stay exact)" in message
+    for _ in range(2):
+        torch.manual_seed(1)
+        plain(x).square().sum().backward()
+    assert_equal([p.grad for p in plain.parameters()], [p.grad for p in planned.parameters()])
+
+
 def _raise_on_call(n: int) -> Callable[..., None]:
     seen = [0]
 

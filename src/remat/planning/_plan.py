@@ -25,6 +25,7 @@ from ._budget import fmt_bytes
 from .apply import (
     OFFLOADS,
     CallCount,
+    Counted,
     PlanPolicy,
     RefuseTraining,
     UnlikeProfiled,
@@ -190,23 +191,27 @@ class Plan:
         for paths in segments(self.blocks):
             o = self.option(first[paths[0]])
             apply_segment(model, paths, o.tier, o.linked)
-        count = None  # the calls of shared blocks, numbered in each forward
+        # The calls of shared blocks, numbered in each forward: see [ Options per call ] in
+        # ``apply.py``.
+        planned = {b["path"]: len(b["calls"]) for b in self.blocks if len(b.get("calls", [])) > 1}
+        count = CallCount(planned, self.budget)
+        if planned:
+            model.register_forward_pre_hook(count.reset)
         for block in self.blocks:
             o = self.option(block)
             if o.kind == "segment":
                 continue
             module = model.get_submodule(block["path"])
             calls = block.get("calls", [])
-            if len(set(calls)) > 1:  # see [ Options per call ] in ``apply.py``
-                if count is None:
-                    count = CallCount()
-                    model.register_forward_pre_hook(count.reset)
+            if len(set(calls)) > 1:
                 options = [self._named(block["type"], name) for name in calls]
                 self.policies += apply_per_call(module, block["path"], options, count)
                 continue
             policy = apply_option(module, block["path"], o.kind, o.decisions, o.tier)
             if policy is not None:
                 self.policies.append(policy)
+            if block["path"] in planned:
+                module.register_forward_pre_hook(Counted(count, block["path"]))
         if self.blocks:
             path = self.blocks[0]["path"]
             measured_inputs = int(self.measured.get("input_bytes", 0))

@@ -114,6 +114,7 @@ from .profile import KeyCounter, device_of
 
 __all__ = [
     "CallCount",
+    "Counted",
     "Linked",
     "LinkedForward",
     "PerCallForward",
@@ -241,28 +242,63 @@ def apply_option(
 # for an option with a tier. A forward pre-hook on the model the plan was applied to starts
 # the numbers afresh (:class:`CallCount`); calls past the planned ones (a forward that loops
 # more, a block called from outside the model) go round the planned ones again. Every option
-# is exact, so numbers out of step with the plan move memory and time, never gradients.
+# is exact, so numbers out of step with the plan move memory and time, never gradients; but
+# the budget does not hold for such a step, so the first call past the planned ones (with
+# gradients enabled) warns, once per block. A shared block whose calls all run one option is
+# counted too (:class:`Counted`, a forward pre-hook): a forward that calls it more often than
+# planned holds more than the plan predicted. Fewer calls than planned (a forward that
+# raised, a loop that stopped early) run a prefix of the plan and hold no more than it.
 # Under ``torch.compile`` each call runs the leanest of the block's options (the least kept
 # bytes), as Dynamo traces that option on a block of its own: no number is read or advanced
 # while Dynamo traces, whose restarts of a trace would see it advanced.
 
 
 class CallCount:
-    """The calls of each shared block so far in the model's forward under way, by path."""
+    """The calls of each shared block so far in the model's forward under way, by path;
+    ``planned``: each block's calls in the plan, ``budget`` the plan's (for the warning)."""
 
-    def __init__(self) -> None:
+    def __init__(self, planned: dict[str, int], budget: int) -> None:
+        self.planned = planned
+        self.budget = budget
         self.counts: dict[str, int] = {}
+        self.warned: set[str] = set()
 
     def reset(self, module: nn.Module, args: Any) -> None:
         """A forward of the model begins (a forward pre-hook on it)."""
         if not torch.compiler.is_compiling():
             self.counts = {}
 
-    def next(self, path: str, calls: int) -> int:
-        """The number of the call of block ``path`` that begins, among its ``calls``."""
+    def next(self, path: str) -> int:
+        """The number, among the planned ones, of the call of block ``path`` that begins;
+        warns once when it is past them."""
         n = self.counts.get(path, 0)
         self.counts[path] = n + 1
-        return n % calls
+        planned = self.planned[path]
+        if n == planned and path not in self.warned and torch.is_grad_enabled():
+            self.warned.add(path)
+            _budget_warning(
+                repr(path),
+                self.budget,
+                f"was called more than the {planned} times in one forward of the model that "
+                "the plan was made for (or called outside that forward); the calls past them "
+                "are not in the plan",
+                "Plan with the forward the model trains with (remat.plan, remat.fit), and call "
+                "the block from the forward of the model the plan was applied to.",
+            )
+        return n % planned
+
+
+class Counted:
+    """A forward pre-hook that counts the calls of a shared block whose calls all run one
+    option (see [ Options per call ])."""
+
+    def __init__(self, count: CallCount, path: str) -> None:
+        self.count = count
+        self.path = path
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.count.next(self.path)
 
 
 class _Run:
@@ -315,7 +351,7 @@ class PerCallForward:
         module = _block(self.module_ref)
         if torch.compiler.is_compiling():
             return self.runs[self.leanest](module, args, kwargs)
-        return self.runs[self.count.next(self.path, len(self.runs))](module, args, kwargs)
+        return self.runs[self.count.next(self.path)](module, args, kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PerCallForward:
         copied = _copied_block(self.module_ref, memo)
@@ -511,7 +547,7 @@ def _option_hook(hook: Any) -> bool:
     return (
         hook is _reset
         or hook is _done
-        or isinstance(hook, (RefuseTraining, UnlikeProfiled, Unplanned))
+        or isinstance(hook, (Counted, RefuseTraining, UnlikeProfiled, Unplanned))
         or isinstance(getattr(hook, "__self__", None), (Offloaded, CallCount))
     )
 
