@@ -439,6 +439,48 @@ def test_a_budget_is_planned_exact_and_within_it(name: str, budget: str) -> None
     _assert_exact(cached, _step(model, inputs))
 
 
+def test_a_budget_finds_the_shared_layer_of_a_model_that_names_none() -> None:
+    """ALBERT names no layer classes (no ``_no_split_modules``) and calls one layer group (one
+    layer) again and again: with ``budget=`` the planner finds the group, plans its calls one
+    by one, and the step stays bit-equal. A model with neither named classes, a run of layers
+    nor a shared layer is refused with the way out."""
+    config = tf.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=WIDTH, num_hidden_layers=4,
+        num_attention_heads=4, intermediate_size=64, max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.AlbertForMaskedLM(config).train()
+    inputs = {**_inputs("bert"), "input_ids": torch.randint(0, VOCAB, (4, SEQ))}
+    inputs["labels"] = inputs["input_ids"]
+    with pytest.raises(remat.RematError, match="names no layer classes"):
+        remat.hf.enable(model)  # a policy needs the layers named
+    plain = _plain(model, inputs)
+    remat.hf.enable(model, budget="60%", example_inputs=inputs, repeats=0)
+    plan = remat.Plan.of(model)
+    assert plan is not None
+    [block] = plan.blocks
+    assert block["type"].startswith("AlbertLayerGroup") and len(block["calls"]) == 4
+    assert plan.measured["calls"] == {block["path"]: 4}
+    assert plan.measured["verified_peak"] <= plan.budget
+    layer = model.get_submodule(block["path"])
+    assert any(h is remat.hf._drop_cache for h in layer._forward_pre_hooks.values())
+    _assert_exact(plain, _step(model, inputs))
+    remat.hf.disable(model)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return type("Out", (), {"loss": self.fc(x).sum()})()
+
+    with pytest.raises(remat.RematError, match=r"names no layer classes in _no_split_modules, has"):
+        remat.hf.enable(Flat(), budget="50%", example_inputs=(torch.randn(2, 4),))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_a_plan_refuses_a_key_value_cache(name: str) -> None:
     """remat.fit on a layer that trains with a key/value cache: each replay of the layer in the

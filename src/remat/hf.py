@@ -113,7 +113,9 @@ def enable(
             computes from ``labels``.
         layers: the modules to make regions, in any form :func:`remat.apply` takes (a class, a
             tuple of classes, a predicate or qualified names); default:
-            :func:`layer_classes`.
+            :func:`layer_classes`, or, with ``budget`` and a model that names none (ALBERT),
+            the blocks :func:`remat.plan` finds: runs of layers in an ``nn.ModuleList``, or
+            the layer the forward calls again and again.
         **options: options of :func:`remat.apply` (``offload_to_cpu``, ``determinism_check``,
             ...); with ``budget``, options of :func:`remat.fit` (``tiers``, ``repeats``,
             ``points``, ``segments``).
@@ -137,7 +139,14 @@ def enable(
             f"remat.hf.enable: remat is already enabled on {type(model).__name__}; call "
             "remat.hf.disable(model) first to change the policy."
         )
-    where = layer_classes(model) if layers is None else layers
+    where: modules.Where | None = layers
+    if layers is None:
+        try:
+            where = layer_classes(model)
+        except RematError:
+            if budget is None:
+                raise
+            where = None  # the planner finds the blocks (``_fit``)
     if budget is not None:
         _fit(model, where, budget, example_inputs, loss_fn, options)
         return compiled
@@ -175,6 +184,7 @@ def disable(model: nn.Module) -> nn.Module:
             undo_segment_on(m)
     if found:
         undo_segment_on(model)  # a graph-engine segment closes at the end of the model's forward
+        undo_option(model)  # the count of a shared layer's calls starts at the model's forward
         modules.unguard_hf_checkpointing(model)
         forget_applied(model)
     if not found:
@@ -200,13 +210,14 @@ def _enabled(model: nn.Module) -> bool:
 
 def _fit(
     model: nn.Module,
-    where: modules.Where,
+    where: modules.Where | None,
     budget: int | float | str,
     example_inputs: Any,
     loss_fn: Callable[..., Any] | None,
     options: dict[str, Any],
 ) -> None:
     from .planning import fit, plan
+    from .planning.planner import discover_blocks
     from .planning.profile import selects_by_class
 
     allowed = {
@@ -225,13 +236,23 @@ def _fit(
             "remat.hf.enable: budget= plans from one measured step; pass example_inputs= (the "
             "model's inputs, with labels= for its loss; or loss_fn= too, output -> loss)."
         )
-    match = modules._matcher(where, model)
-    layers = [name for name, m in model.named_modules() if name and match(name, m)]
-    if not layers:
-        raise RematError(
-            f"remat.hf.enable: no layer of {type(model).__name__} matches {where!r}; pass "
-            "layers= naming the model's repeated layers."
-        )
+    if where is None:  # no layer classes named: the blocks remat.plan finds
+        layers = discover_blocks(model, example_inputs, loss_fn or _output_loss)
+        if not layers:
+            raise RematError(
+                f"remat.hf.enable: {type(model).__name__} names no layer classes in "
+                "_no_split_modules, has no run of layers in an nn.ModuleList, and its forward "
+                "calls no module with trainable parameters more than once; pass the layer "
+                "classes yourself: remat.hf.enable(model, budget=..., layers=(MyLayer,))."
+            )
+    else:
+        match = modules._matcher(where, model)
+        layers = [name for name, m in model.named_modules() if name and match(name, m)]
+        if not layers:
+            raise RematError(
+                f"remat.hf.enable: no layer of {type(model).__name__} matches {where!r}; pass "
+                "layers= naming the model's repeated layers."
+            )
     for name in layers:
         _hook(model.get_submodule(name))
     try:
@@ -241,7 +262,7 @@ def _fit(
             budget=budget,
             loss_fn=loss_fn or _output_loss,
             # Classes select: layers the step does not call or train are left out of the plan.
-            blocks=where if selects_by_class(where) else layers,
+            blocks=where if where is not None and selects_by_class(where) else layers,
             **options,
         )
     except BaseException:

@@ -940,6 +940,21 @@ def _as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
                 p.grad = entry[0] if entry is not None else None
 
 
+def discover_blocks(
+    model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None
+) -> list[str]:
+    """The blocks :func:`plan` finds in ``model`` where ``blocks=`` is not given: the runs of
+    blocks in its ``nn.ModuleList``/``nn.Sequential`` containers, or else the outermost modules
+    with trainable parameters that one step's forward calls more than once; ``[]`` where it
+    has neither. The step runs as the planner runs it, leaving the model as it found it."""
+    paths = find_blocks(model)
+    if paths:
+        return paths
+    device = device_of(model, example_inputs)
+    with outside(Autocast.found(device.type)), _as_found(model, device):
+        return shared_blocks(model, _step(model, example_inputs, loss_fn))
+
+
 def profile_model(
     model: nn.Module,
     example_inputs: Any,
