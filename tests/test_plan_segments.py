@@ -723,3 +723,29 @@ def test_a_linked_segment_whose_first_block_is_frozen_links_no_call_and_says_not
         grads.append([p.grad for p in m.parameters()])
     assert chain.calls.broken == 0
     assert_equal(grads[0], grads[1], "grads")
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_a_segment_whose_blocks_fsdp_shards_refuses_to_run(linked: bool) -> None:
+    """FSDP gathers a block's parameters for that block's own forward and backward; a
+    segment's recompute runs the blocks before it as well, whose parameters are sharded then.
+    A segment set up and then sharded raises at its forward, naming the block and the way out
+    (no segments), on either engine."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    apply_segment(model, _PATHS, linked=linked)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        with pytest.raises(
+            remat.RematError,
+            match=r"blocks\.1 .* is sharded by FSDP \(FSDP_Block\).*segments=False",
+        ):
+            model(torch.randn(4, 64))
+    finally:
+        dist.destroy_process_group()

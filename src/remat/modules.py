@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -599,20 +600,29 @@ def _run_steps(steps: Sequence[Callable[..., Any]], x: Any) -> Any:
     return x
 
 
+def sharded(model: nn.Module) -> nn.Module | None:
+    """The first module of ``model`` (itself included) that FSDP shards, FSDP2's
+    ``fully_shard`` or FSDP1's ``FullyShardedDataParallel``; ``None`` where none is. FSDP's
+    classes are looked up where a sharded model has imported them, so a model that no FSDP
+    touched costs no import of ``torch.distributed``."""
+    classes = tuple(
+        found
+        for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+        for attr in ("FSDPModule", "FullyShardedDataParallel")
+        if isinstance(found := getattr(sys.modules.get(name), attr, None), type)
+    )
+    if not classes:
+        return None
+    return next((m for m in model.modules() if isinstance(m, classes)), None)
+
+
 def refuse_sharded(caller: str, model: nn.Module) -> None:
     """Raise a :class:`RematError` where FSDP has sharded ``model`` or a module in it: the
     planner measures, and a plan names, the parameters of the model as it was built."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # a build without torch.distributed
-        return
-    sharded = next(
-        (m for m in model.modules() if isinstance(m, (FSDPModule, FullyShardedDataParallel))),
-        None,
-    )
-    if sharded is not None:
+    found = sharded(model)
+    if found is not None:
         raise RematError(
-            f"{caller}: the model is sharded by FSDP ({type(sharded).__name__}); a plan is "
+            f"{caller}: the model is sharded by FSDP ({type(found).__name__}); a plan is "
             "made and set up on the model before sharding, whose parameters it measures and "
             "names. Plan, and apply the plan, first; then call fully_shard."
         )

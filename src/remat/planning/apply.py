@@ -104,6 +104,7 @@ from ..modules import (
     forward_signature,
     is_wrapped,
     remove_hooks,
+    sharded,
 )
 from ..policies import Decision, OpContext, recompute_everything
 from ..store import offload
@@ -763,8 +764,9 @@ class SegmentForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = _block(self.module_ref)
-        if _sharded(module):
-            raise _sharded_error(self.label)
+        found = sharded(module)
+        if found is not None:
+            raise _sharded_error(self.label, found)
         if torch.compiler.is_compiling():  # [ Regions under torch.compile ] 4 in _compile.py
             from .._compile import lower
 
@@ -790,29 +792,15 @@ def _label(path: str, paths: list[str]) -> str:
     return f"block {path} of the plan's segment {paths[0]}..{paths[-1]}"
 
 
-def _fsdp_module_class() -> type | None:
-    """FSDP2's ``FSDPModule``, if ``fully_shard`` was imported (it is where FSDP2 is used)."""
-    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
-        found = getattr(sys.modules.get(name), "FSDPModule", None)
-        if isinstance(found, type):
-            return found
-    return None
-
-
-def _sharded(module: nn.Module) -> bool:
-    """Whether ``fully_shard`` (FSDP2) shards ``module`` or a module in it. FSDP2 gathers a
-    block's parameters for that block's own forward and backward only, and a segment's
-    recompute runs the blocks before the one whose backward runs: with their parameters
-    sharded, it fails in backward, or would be wrong."""
-    fsdp = _fsdp_module_class()
-    return fsdp is not None and any(isinstance(m, fsdp) for m in module.modules())
-
-
-def _sharded_error(label: str) -> RematError:
+def _sharded_error(label: str, found: nn.Module) -> RematError:
+    """The error for block ``label`` of a segment, which FSDP shards (``found`` in it). FSDP
+    gathers a block's parameters for that block's own forward and backward only, and a
+    segment's recompute runs the blocks before the one whose backward runs: with their
+    parameters sharded, it fails in backward, or would be wrong."""
     return RematError(
-        f"remat: {label} is sharded by fully_shard (FSDP2). FSDP2 gathers a block's parameters "
-        "for that block's forward and backward only, and a segment's recompute runs the blocks "
-        "before it too. Plan the model without segments before sharding it: "
+        f"remat: {label} is sharded by FSDP ({type(found).__name__}). FSDP gathers a block's "
+        "parameters for that block's forward and backward only, and a segment's recompute runs "
+        "the blocks before it too. Plan the model without segments before sharding it: "
         "remat.plan(..., segments=False) or remat.fit(..., segments=False)."
     )
 
@@ -857,9 +845,10 @@ class LinkedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = _block(self.module_ref)
-        if _sharded(module):
+        found = sharded(module)
+        if found is not None:
             paths = self.chain.paths
-            raise _sharded_error(_label(paths[self.position], paths))
+            raise _sharded_error(_label(paths[self.position], paths), found)
         if torch.compiler.is_compiling():  # [ Regions under torch.compile ] 4 in _compile.py
             lowered = functools.partial(type(module).forward, module)
             return self.chain.calls.run(self.position, lowered, args, kwargs)
