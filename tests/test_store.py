@@ -522,12 +522,12 @@ def test_a_buffer_is_reused_only_after_its_copies_have_run() -> None:
         tier.drop(ticket)
         assert tier.pool.cached_bytes == 0  # not yet free: a copy still reads it
         lane.gate.set()
-        tier.get  # noqa: B018
-        for _ in range(100):
+
+        def given_back() -> bool:
             tier.flush()
-            if tier.pool.cached_bytes:
-                break
-            threading.Event().wait(0.01)
+            return tier.pool.cached_bytes > 0
+
+        wait_for(given_back, timeout=30)
     assert tier.pool.cached_bytes == 256
     tier.close()
 
