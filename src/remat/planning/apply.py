@@ -800,8 +800,9 @@ def _sharded_error(label: str, found: nn.Module) -> RematError:
     return RematError(
         f"remat: {label} is sharded by FSDP ({type(found).__name__}). FSDP gathers a block's "
         "parameters for that block's forward and backward only, and a segment's recompute runs "
-        "the blocks before it too. Plan the model without segments before sharding it: "
-        "remat.plan(..., segments=False) or remat.fit(..., segments=False)."
+        "the blocks before it too. Plan the model without segments before calling fully_shard "
+        "(or wrapping it in FullyShardedDataParallel): remat.plan(..., segments=False) or "
+        "remat.fit(..., segments=False)."
     )
 
 
