@@ -603,8 +603,8 @@ def _run_steps(steps: Sequence[Callable[..., Any]], x: Any) -> Any:
 def sharded(model: nn.Module) -> nn.Module | None:
     """The first module of ``model`` (itself included) that FSDP shards, FSDP2's
     ``fully_shard`` or FSDP1's ``FullyShardedDataParallel``; ``None`` where none is. FSDP's
-    classes are looked up where a sharded model has imported them, so a model that no FSDP
-    touched costs no import of ``torch.distributed``."""
+    classes are read from the modules imported already (a sharded model has imported them),
+    so a build of torch without ``torch.distributed`` needs no special case."""
     classes = tuple(
         found
         for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
