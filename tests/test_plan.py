@@ -595,6 +595,40 @@ def test_calls_of_a_shared_block_offload_to_the_tier_of_their_option(monkeypatch
     assert plan.policies[0].followed > 0
 
 
+@pytest.mark.parametrize("budget", ["80%", "70%"])
+def test_a_shared_block_under_autocast_holds_one_copy_of_its_casts(budget: str) -> None:
+    """Under a loop's autocast a shared block's calls share one copy of its cast weights
+    (NOTE [ Casts of shared blocks ] in ``planner.py``): the plan's first solve fits and
+    predicts its measured peak within 1% (priced as blocks of their own, the calls' plans
+    measured above their predictions and took two and three solves), and the loop is
+    bit-equal to the plain one."""
+    from remat.planning.cost import peak_bytes
+
+    torch.manual_seed(0)
+    model = _Shared()
+    x = torch.randn(16, 8, 32)
+
+    def step(m: nn.Module) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(x).float().square().mean()
+        loss.backward()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = remat.plan(model, x, budget=budget, loss_fn=lambda o: o.float().square().mean())
+    assert any(name != "plain" for b in plan.blocks for name in b["calls"])
+    planned, plain = plan.apply(copy.deepcopy(model)), copy.deepcopy(model)
+    torch.manual_seed(1)
+    peak = peak_bytes(lambda: step(planned), x.device)
+    assert plan.measured["solves"] == 1
+    assert peak == plan.measured["verified_peak"] <= plan.budget
+    assert abs(peak - plan.predicted_peak) <= 0.01 * peak
+    planned.zero_grad()
+    for m in (plain, planned):
+        torch.manual_seed(2)
+        step(m)
+    assert_equal([p.grad for p in plain.parameters()], [p.grad for p in planned.parameters()])
+
+
 class _Rounds(_Shared):
     """``_Shared`` with as many rounds over its blocks as ``rounds`` says."""
 
