@@ -595,12 +595,12 @@ def test_calls_of_a_shared_block_offload_to_the_tier_of_their_option(monkeypatch
     assert plan.policies[0].followed > 0
 
 
-@pytest.mark.parametrize("budget", ["80%", "70%"])
+@pytest.mark.parametrize("budget", ["80%", "70%", "60%"])
 def test_a_shared_block_under_autocast_holds_one_copy_of_its_casts(budget: str) -> None:
     """Under a loop's autocast a shared block's calls share one copy of its cast weights
     (NOTE [ Casts of shared blocks ] in ``planner.py``): the plan's first solve fits and
     predicts its measured peak within 1% (priced as blocks of their own, the calls' plans
-    measured above their predictions and took two and three solves), and the loop is
+    measured above their predictions and took more solves, or found none), and the loop is
     bit-equal to the plain one."""
     from remat.planning.cost import peak_bytes
 
@@ -614,7 +614,10 @@ def test_a_shared_block_under_autocast_holds_one_copy_of_its_casts(budget: str) 
         loss.backward()
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plan = remat.plan(model, x, budget=budget, loss_fn=lambda o: o.float().square().mean())
+        # (untimed: which plan is fastest does not turn on the noise of 2 cores)
+        plan = remat.plan(
+            model, x, budget=budget, loss_fn=lambda o: o.float().square().mean(), repeats=0
+        )
     assert any(name != "plain" for b in plan.blocks for name in b["calls"])
     planned, plain = plan.apply(copy.deepcopy(model)), copy.deepcopy(model)
     torch.manual_seed(1)

@@ -52,6 +52,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 import statistics
 import time
@@ -728,6 +729,7 @@ def _chain(
     side: int = 0,
     shared: Container[int] = (),
     later: Container[int] = (),
+    recomputed: Container[int] = (),
 ) -> tuple[ChainCosts, list[list[ChainOption]], list[list[str]]]:
     """The chain model's constants, and per block the options that may start there (a segment
     only where the blocks it covers are what its measured chain was, see :func:`_covers`, and,
@@ -735,7 +737,9 @@ def _chain(
     called more than once, at a position of ``shared``) with their names. ``side``: the bytes
     of the side inputs every block gets (see [ Side inputs ] in ``solve.py``). The calls at
     ``shared`` are priced without their casts, and those at ``later`` (after a block's first
-    call) run backward on the casts the first made (see [ Casts of shared blocks ])."""
+    call) run backward on the casts the first made; at ``recomputed``, only options that keep
+    none of the casts, the first call priced as a block of its own (see [ Casts of shared
+    blocks ])."""
     base = {name: next(o for o in opts if o.kind == "plain") for name, opts in options.items()}
     # Of a type's casts (all of them: what an option that keeps none leaves cached), what an
     # option keeps; a later call of a shared block keeps none of its own.
@@ -769,16 +773,16 @@ def _chain(
     chain: list[list[ChainOption]] = []
     names: list[list[str]] = []
     for i, t in enumerate(types):
-        uncast = i in shared  # priced without its casts: see [ Casts of shared blocks ]
+        # Priced without its casts, unless the first call where no call keeps them: see
+        # [ Casts of shared blocks ].
+        uncast = i in shared and (i in later or i not in recomputed)
         here = [
             o
             for o in options[t]
-            if o.span == 1
-            or (
-                _covers(types, i, o.span, chained or {})
-                and len(set(groups[i : i + o.span])) <= 1
-                and not any(j in shared for j in range(i, i + o.span))
-            )
+            if (o.span == 1 or _covers(types, i, o.span, chained or {}))
+            and (o.span == 1 or len(set(groups[i : i + o.span])) <= 1)
+            and not (o.span > 1 and any(j in shared for j in range(i, i + o.span)))
+            and not (i in recomputed and not _recasts(o, casts[t], i in later))
         ]
         chain.append(
             [
@@ -880,15 +884,40 @@ _SMALLEST_STEPS = 64
 #
 # That is exact where the first call keeps the casts (runs plainly). Where only later calls
 # keep them, they go at the backward of the earliest of those, and where no call keeps them
-# (every call recomputes its casts) at the forward's end: the model holds them longer, so
-# it is high by one copy of the casts from there on, never low, and the smallest plans, which
-# recompute every call, are refused a budget that copy below what they need. Pricing the
-# first call as a block of its own instead is exact where no call keeps the casts but low by
-# them where a later call keeps them and the first does not, and the solver chose exactly
-# such plans (each measured 4-9% above its prediction). Graph-engine options that keep part
-# of the casts are counted by the same arithmetic, which does not see which part: one such
-# plan measured 5% above its prediction (``solve_measured`` measures each plan and solves
-# again where it does not fit).
+# at the forward's end: the model holds them longer, high by one copy of the casts from
+# there on, never low. The smallest plans recompute the casts in every call, so the chain is
+# solved again as it is exactly for those (``Profiled.variants``), for each set of shared
+# blocks (of the first ``_MOST_CAST_VARIANTS`` with casts): at their first call only options
+# that keep none of the casts, priced as a block of its own (the cache holds them to the
+# forward's end), and at later calls only regions. At a later call the casts come from the
+# cache, made by no op of the call, so the graph engine holds them as the call's inputs
+# (measured: 2 x 16,640 bytes above the prediction when this variant let graph options
+# recompute later calls); a region lets them go. The fastest plan that fits, over the chain
+# and its variants, is the answer. On a looped block and on ALBERT in bfloat16, every plan
+# so chosen measured what it predicted to 0.1%. Pricing the calls as blocks of their own
+# instead measured up to 18% above, and charging the first call's option with the casts it
+# keeps alone (exact where no call keeps them) 4-9% above, in every plan the solver chose:
+# those where a later call keeps the casts and the first does not.
+
+
+def _recasts(o: Option, casts: int, later: bool) -> bool:
+    """Whether option ``o`` of a shared block keeps none of the block's ``casts`` after its
+    forward, at the block's first call or at a ``later`` one. At a later call the casts come
+    from autocast's cache, made by no op of the call: the graph engine holds them as the
+    call's inputs, and only a region, which recomputes the whole call, lets them go."""
+    return o.cached >= casts and (not later or o.kind == "region")
+
+
+class _Variant(NamedTuple):
+    """A chain to solve: its costs, the options at each position and their names."""
+
+    costs: ChainCosts
+    chain: list[list[ChainOption]]
+    names: list[list[str]]
+
+
+# Shared blocks with casts whose every-call-recomputed variants are solved (2**n chains).
+_MOST_CAST_VARIANTS = 3
 
 
 @dataclass
@@ -926,19 +955,48 @@ class Profiled:
     costs: ChainCosts = field(init=False)
     chain: list[list[ChainOption]] = field(init=False)
     names: list[list[str]] = field(init=False)  # the name of each chain option
+    # The chain again for each set of shared blocks whose calls all recompute their casts
+    # (see [ Casts of shared blocks ]): costs, options, their names. Solved with the chain.
+    variants: list[_Variant] = field(init=False)
+
+    def chains(self) -> list[_Variant]:
+        """The chain and its variants."""
+        return [_Variant(self.costs, self.chain, self.names), *self.variants]
 
     def __post_init__(self) -> None:
-        self.costs, self.chain, self.names = _chain(
-            self.plain,
-            self.types,
-            self.options,
-            self.groups,
-            self.chained,
-            self.side_bytes,
-            # The calls of blocks the forward calls more than once: no segment covers them.
-            {i for i, p in enumerate(self.paths) if p in self.repeated},
-            {i for i, p in enumerate(self.paths) if self.paths.index(p) < i},  # not the first
+        # The calls of blocks the forward calls more than once: no segment covers them.
+        shared = {i for i, p in enumerate(self.paths) if p in self.repeated}
+        later = {i for i, p in enumerate(self.paths) if self.paths.index(p) < i}
+
+        def chain(recomputed: Container[int] = ()) -> _Variant:
+            return _Variant(
+                *_chain(
+                    self.plain,
+                    self.types,
+                    self.options,
+                    self.groups,
+                    self.chained,
+                    self.side_bytes,
+                    shared,
+                    later,
+                    recomputed,
+                )
+            )
+
+        main = chain()
+        self.costs, self.chain, self.names = main
+        cast = [
+            p
+            for p in self.repeated
+            if max(o.cached for o in self.options[self.types[self.paths.index(p)]]) > 0
+        ][:_MOST_CAST_VARIANTS]
+        variants = (
+            chain({i for i, p in enumerate(self.paths) if p in chosen_paths})
+            for n in range(1, len(cast) + 1)
+            for chosen_paths in itertools.combinations(cast, n)
         )
+        # (a block type whose region caches less than another option has no variant)
+        self.variants = [v for v in variants if all(v.chain)]
 
     @property
     def blocks(self) -> list[str]:
@@ -1177,10 +1235,10 @@ def solve(
     plain, costs, chain, options = profiled.plain, profiled.costs, profiled.chain, profiled.options
     budget_bytes = parse_budget(budget, plain.peak)
     start = time.perf_counter()
-    picks, optimal = chain_solve(costs, _charged(chain, charges or {}), budget_bytes)
+    found = _fastest_of_variants(profiled, budget_bytes, charges or {})
     dp_seconds = time.perf_counter() - start
-    if picks is None:
-        smallest = _smallest(costs, chain)
+    if found is None:
+        smallest = min(_smallest(v.costs, v.chain) for v in profiled.chains())
         raise NoPlanFits(
             f"remat.plan: no plan fits a budget of {fmt_bytes(budget_bytes)} ({budget!r}, "
             f"{budget_bytes} bytes); the smallest that fits is {fmt_bytes(smallest)} "
@@ -1189,18 +1247,17 @@ def solve(
             f"{fmt_bytes(plain.peak)}). Raise the budget. {_planned_blocks(profiled)}",
             smallest,
         )
-    picked = chosen(chain, picks)
+    picks, optimal, peak, seconds = found
     curve = []
     for fraction in (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.1):
         b = int(plain.peak * fraction)
-        p = chain_solve(costs, chain, b, time_limit=1.0).picks  # a point of the curve
-        if p is not None:
-            opts = chosen(chain, p)
+        point = _fastest_of_variants(profiled, b, {}, time_limit=1.0)  # a point of the curve
+        if point is not None:
             curve.append(
                 {
                     "budget": float(b),
-                    "peak": float(chain_peak(costs, opts)),
-                    "seconds": plain.seconds + sum(o.seconds for o in opts),
+                    "peak": float(point[2]),
+                    "seconds": plain.seconds + point[3],
                 }
             )
     text = budget if isinstance(budget, str) else repr(budget)
@@ -1211,8 +1268,8 @@ def solve(
         budget_text=text,
         plain_peak=plain.peak,
         plain_seconds=plain.seconds,
-        predicted_peak=chain_peak(costs, picked),
-        predicted_seconds=plain.seconds + sum(o.seconds for o in picked),
+        predicted_peak=peak,
+        predicted_seconds=plain.seconds + seconds,
         blocks=_blocks(profiled, picks),
         options=options,
         solver={
@@ -1245,6 +1302,40 @@ def solve(
             "calls": dict(profiled.repeated),
         },
     )
+
+
+def _fastest_of_variants(
+    profiled: Profiled,
+    budget: int,
+    charges: Mapping[tuple[int, int], int],
+    time_limit: float = CHAIN_MILP_SECONDS,
+) -> tuple[list[int], bool, int, float] | None:
+    """The fastest assignment that fits ``budget`` over every chain of ``profiled`` (see
+    [ Casts of shared blocks ]): its picks (indices into ``profiled.chain``), whether its
+    chain's solve proved it optimal, its predicted peak (without ``charges``, keyed by
+    ``profiled.chain``'s indices) and its extra seconds; ``None`` where none fits. The
+    least peak breaks a tie."""
+    best: tuple[list[int], bool, int, float] | None = None
+    for costs, chain, names in profiled.chains():
+        index = [{name: names[i].index(name) for name in names[i]} for i in range(len(names))]
+        mapped = {
+            (i, index[i][profiled.names[i][k]]): c
+            for (i, k), c in charges.items()
+            if profiled.names[i][k] in index[i]
+        }
+        answer = chain_solve(costs, _charged(chain, mapped), budget, time_limit=time_limit)
+        if answer.picks is None:
+            continue
+        options = chosen(chain, answer.picks)
+        seconds = sum(o.seconds for o in options)
+        peak = chain_peak(costs, options)
+        if best is None or (seconds, peak) < (best[3], best[2]):
+            picks = [
+                profiled.names[i].index(names[i][k]) if k >= 0 else k
+                for i, k in enumerate(answer.picks)
+            ]
+            best = (picks, answer.optimal, peak, seconds)
+    return best
 
 
 def _chain_solver(chain: list[list[ChainOption]], optimal: bool) -> str:
