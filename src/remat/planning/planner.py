@@ -779,10 +779,15 @@ def _chain(
         here = [
             o
             for o in options[t]
-            if (o.span == 1 or _covers(types, i, o.span, chained or {}))
-            and (o.span == 1 or len(set(groups[i : i + o.span])) <= 1)
-            and not (o.span > 1 and any(j in shared for j in range(i, i + o.span)))
-            and not (i in recomputed and not _recasts(o, casts[t], i in later))
+            if (
+                o.span == 1
+                or (
+                    _covers(types, i, o.span, chained or {})
+                    and len(set(groups[i : i + o.span])) <= 1
+                    and not any(j in shared for j in range(i, i + o.span))
+                )
+            )
+            and (i not in recomputed or _recasts(o, casts[t], i in later))
         ]
         chain.append(
             [
@@ -1256,8 +1261,8 @@ def solve(
             curve.append(
                 {
                     "budget": float(b),
-                    "peak": float(point[2]),
-                    "seconds": plain.seconds + point[3],
+                    "peak": float(point.peak),
+                    "seconds": plain.seconds + point.seconds,
                 }
             )
     text = budget if isinstance(budget, str) else repr(budget)
@@ -1304,24 +1309,31 @@ def solve(
     )
 
 
+class _Answer(NamedTuple):
+    """The fastest assignment :func:`_fastest_of_variants` found."""
+
+    picks: list[int]  # indices into ``Profiled.chain`` (-1: inside a segment)
+    optimal: bool  # its chain's solve proved it optimal
+    peak: int  # predicted, without charges
+    seconds: float  # beyond the plain step
+
+
 def _fastest_of_variants(
     profiled: Profiled,
     budget: int,
     charges: Mapping[tuple[int, int], int],
     time_limit: float = CHAIN_MILP_SECONDS,
-) -> tuple[list[int], bool, int, float] | None:
-    """The fastest assignment that fits ``budget`` over every chain of ``profiled`` (see
-    [ Casts of shared blocks ]): its picks (indices into ``profiled.chain``), whether its
-    chain's solve proved it optimal, its predicted peak (without ``charges``, keyed by
-    ``profiled.chain``'s indices) and its extra seconds; ``None`` where none fits. The
-    least peak breaks a tie."""
-    best: tuple[list[int], bool, int, float] | None = None
+) -> _Answer | None:
+    """The fastest assignment that fits ``budget`` over the chain of ``profiled`` and its
+    variants (see [ Casts of shared blocks ]), the least peak breaking a tie; ``None`` where
+    none fits. ``charges`` is keyed by ``profiled.chain``'s indices."""
+    best: _Answer | None = None
     for costs, chain, names in profiled.chains():
-        index = [{name: names[i].index(name) for name in names[i]} for i in range(len(names))]
+        index = [{name: k for k, name in enumerate(here)} for here in names]
         mapped = {
-            (i, index[i][profiled.names[i][k]]): c
+            (i, index[i][name]): c
             for (i, k), c in charges.items()
-            if profiled.names[i][k] in index[i]
+            if (name := profiled.names[i][k]) in index[i]
         }
         answer = chain_solve(costs, _charged(chain, mapped), budget, time_limit=time_limit)
         if answer.picks is None:
@@ -1329,12 +1341,12 @@ def _fastest_of_variants(
         options = chosen(chain, answer.picks)
         seconds = sum(o.seconds for o in options)
         peak = chain_peak(costs, options)
-        if best is None or (seconds, peak) < (best[3], best[2]):
-            picks = [
+        if best is None or (seconds, peak) < (best.seconds, best.peak):
+            main = [
                 profiled.names[i].index(names[i][k]) if k >= 0 else k
                 for i, k in enumerate(answer.picks)
             ]
-            best = (picks, answer.optimal, peak, seconds)
+            best = _Answer(main, answer.optimal, peak, seconds)
     return best
 
 
