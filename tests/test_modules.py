@@ -1013,6 +1013,31 @@ def test_checkpoint_sequential_with_plain_functions() -> None:
     _assert_same(results[2], (results[0][0], [2]))
 
 
+@pytest.mark.parametrize(("segments", "calls"), [(1, 2), (2, 3), (3, 3)])
+def test_checkpoint_sequential_runs_a_module_held_twice_at_both_positions(
+    segments: int, calls: int
+) -> None:
+    # The same block at positions 0 and 2 (weights tied across depth) runs twice, as in the
+    # Sequential's own forward; ``children()`` yields it once and would skip position 2.
+    torch.manual_seed(0)
+    block = Counted(nn.Linear(D, D))
+    seq = nn.Sequential(block, nn.Tanh(), block)
+    x = torch.randn(BATCH, D, requires_grad=True)
+    results = []
+    for run in (seq, lambda t: remat.checkpoint_sequential(seq, segments, t)):
+        block.calls = 0
+        y = run(x)
+        (y * _LOSS_WEIGHTS).sum().backward()
+        results.append([y.detach(), x.grad, _grads(seq), block.calls])
+        seq.zero_grad(set_to_none=True)
+        x.grad = None
+    # Checkpointed, position 0 runs again in backward when its segment is not the last.
+    _assert_same(results[1], [*results[0][:3], calls])
+    assert results[0][3] == 2
+    with pytest.raises(RematError, match=r"number of functions \(3\), got 4"):
+        remat.checkpoint_sequential(seq, 4, x)
+
+
 def test_checkpoint_sequential_under_no_grad_runs_once() -> None:
     seq = _seq()
     with torch.no_grad(), _count_saved() as saved:

@@ -567,9 +567,9 @@ def checkpoint_sequential(
     parsed = RegionOptions.parse(
         "remat.checkpoint_sequential", {**options, "use_reentrant": use_reentrant}
     )
-    if isinstance(functions, nn.Sequential):
-        steps = list(functions.children())
-    elif isinstance(functions, (list, tuple, nn.ModuleList)):
+    if isinstance(functions, (nn.Sequential, list, tuple, nn.ModuleList)):
+        # Every position, a module held twice at both: ``children()`` yields each module once
+        # and would skip the second (torch's checkpoint_sequential does, pytorch 2.13).
         steps = list(functions)
     else:
         raise RematError(
