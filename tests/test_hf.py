@@ -169,17 +169,52 @@ def test_layer_classes_come_from_no_split_modules(name: str, expected: list[str]
     assert [c.__name__ for c in remat.hf.layer_classes(_model(name))] == expected
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_region_given_a_cache_with_gradients_raises_in_forward(attention: str) -> None:
+    """A layer appends to its cache, and a region's recompute would append again: with SDPA
+    and no mask the gradients came out right and the caller's cache silently held every key
+    twice; with eager attention backward raised. Now the region refuses the call in forward,
+    before the layer appends anything; remat.hf.enable drops the cache instead."""
+    model, inputs = _model("llama", attention), _inputs("llama")
+    remat.apply(model, remat.hf.layer_classes(model))
+    cache = tf.DynamicCache()
+    name = (
+        "cache"
+        if "cache" in inspect.signature(type(model).forward).parameters
+        else "past_key_values"
+    )
+    layer = type(model.model.layers[0]).__name__
+    with pytest.raises(
+        remat.RematError,
+        match=rf"{layer} runs in a checkpointed region with a key/value cache \(use_cache=True, "
+        r"\w+=DynamicCache\).* use_cache=False .*remat\.hf\.enable",
+    ):
+        model(**inputs, use_cache=True, **{name: cache})
+    assert cache.get_seq_length() == 0
+    # the model's default, use_cache from its config, too
+    assert model.config.use_cache
+    with pytest.raises(remat.RematError, match="key/value cache"):
+        model(**inputs)
+    # without gradients nothing is recomputed, and the cache works
+    with torch.no_grad():
+        assert model(**inputs, use_cache=True).past_key_values.get_seq_length() == SEQ
+    # remat.checkpoint given a layer (a module, not its bound forward) refuses it too
+    with pytest.raises(remat.RematError, match=r"_Layer runs .* \(past_key_values=list\)"):
+        remat.checkpoint(_Layer(), torch.ones(2, requires_grad=True), past_key_values=[])
+
+
+class _Layer(nn.Module):
+    def forward(self, x: torch.Tensor, past_key_values: list[Any] | None = None) -> torch.Tensor:
+        if past_key_values is not None:
+            past_key_values.append(x)
+        return x.sin()
+
+
 def test_cache_is_dropped_in_training_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    # With the cache on, each layer would append to it again in the recompute (remat's
-    # determinism check raises); enable() drops it in training, as Hugging Face does.
+    # With the cache on, each layer would append to it again in the recompute (a region
+    # refuses it); enable() drops it in training, as Hugging Face does.
     model, inputs = _model("llama"), _inputs("llama")
     plain = _step(model, {**inputs, "use_cache": False})
-    remat.apply(model, remat.hf.layer_classes(model))
-    with pytest.raises(remat.CheckpointError, match=r"key/value cache .* use_cache=False"):
-        _step(model, {**inputs, "use_cache": True})
-    for m in model.modules():
-        m.__dict__.pop("forward", None)
-
     remat.hf._warned.clear()
     remat.hf.enable(model)
     with caplog.at_level(logging.WARNING, logger="remat.hf"):
@@ -266,6 +301,20 @@ def test_errors() -> None:
     model = _model("gpt2")
     with pytest.raises(remat.RematError, match="both policy= and budget="):
         remat.hf.enable(model, policies.save_matmuls, budget="50%")
+    # a budget passed where the policy goes, and the planner's arguments without a budget,
+    # were taken as a policy (an error naming remat.apply), and dropped
+    with pytest.raises(
+        remat.RematError,
+        match=r"remat\.hf\.enable: policy must be .*got str \('50%'\)\. A budget goes by "
+        r"keyword: remat\.hf\.enable\(model, budget='50%'\)",
+    ):
+        remat.hf.enable(model, "50%")  # type: ignore[arg-type]
+    inputs = _inputs("gpt2")
+    with pytest.raises(remat.RematError, match=r"got example_inputs= and loss_fn= without budget="):
+        remat.hf.enable(model, example_inputs=inputs, loss_fn=lambda out: out.loss)
+    with pytest.raises(remat.RematError, match=r"got loss_fn= without budget="):
+        remat.hf.enable(model, loss_fn=lambda out: out.loss)
+    assert all("forward" not in m.__dict__ for m in model.modules())
     with pytest.raises(remat.RematError, match="no layer of GPT2LMHeadModel was enabled"):
         remat.hf.disable(model)
     remat.hf.enable(model)

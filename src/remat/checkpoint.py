@@ -99,6 +99,7 @@ from ._ambient import (
     unlisted_generator,
     unreplayed_draw,
 )
+from ._cache import refuse_in_region
 from ._dispatch import EagerMode
 from ._guard import (
     UNDO_LIMIT,
@@ -362,6 +363,7 @@ class _Frame:
     ) -> Any:
         """Run ``call`` forward as part of this frame: save its inputs (all but its links)
         through autograd, and put a slot in place of everything it saves."""
+        refuse_in_region(call.function, args, kwargs)  # see _cache.py
         items: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
         tensors = [v for k, v in items if k in call.tensor_args]
         # Tensors inside containers stay in their containers (the same objects in the

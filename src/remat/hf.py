@@ -12,9 +12,8 @@ NOTE [ Key/value caches in training ]
 A layer given a key/value cache (``use_cache=True``, ``cache`` as transformers 5.24 names it,
 ``past_key_values`` before it, ``layer_past``) appends its keys and values to that cache object
 in forward. The object is Python state, not a tensor, so remat's write guard cannot keep a
-recompute from appending a second time; the recompute would then attend over twice the keys
-and rebuild tensors of other shapes (remat's determinism check raises
-:class:`~remat.CheckpointError`). Hugging Face's own gradient checkpointing drops the cache in
+recompute from appending a second time, and a region refuses such a call in forward (see
+``_cache.py``). Hugging Face's own gradient checkpointing drops the cache in
 each layer while training, with a warning; ``enable`` does the same, through a forward
 pre-hook on each layer: while the layer runs with gradients enabled, ``use_cache`` becomes
 ``False`` and the cache argument becomes ``None``, and a warning is logged once per layer
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +39,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import modules
+from ._cache import cache_arguments, signature
 from .errors import RematError
 from .modules import unwrapped
 from .policies import Policy
@@ -49,7 +48,6 @@ __all__ = ["disable", "enable", "layer_classes"]
 
 logger = logging.getLogger("remat.hf")
 
-_CACHE_ARGUMENTS = ("past_key_values", "layer_past", "cache")
 _warned: set[str] = set()
 
 
@@ -131,6 +129,28 @@ def enable(
             "remat.hf.enable: got both policy= and budget=; a budget lets the planner choose "
             "the policy. Pass one of them."
         )
+    if policy is not None and not callable(policy):
+        hint = (
+            f" A budget goes by keyword: remat.hf.enable(model, budget={policy!r})."
+            if isinstance(policy, (int, float, str))
+            else ""
+        )
+        raise RematError(
+            "remat.hf.enable: policy must be a remat policy, a callable (ctx, op, *args, "
+            f"**kwargs) -> Decision (see remat.policies), got {type(policy).__name__} "
+            f"({policy!r}).{hint}"
+        )
+    if budget is None and (example_inputs is not None or loss_fn is not None):
+        given = [
+            n
+            for n, v in (("example_inputs", example_inputs), ("loss_fn", loss_fn))
+            if v is not None
+        ]
+        raise RematError(
+            f"remat.hf.enable: got {'= and '.join(given)}= without budget=; they are the "
+            "planner's, which measures a step only to meet a budget. Pass budget= too (bytes "
+            'or a fraction, e.g. budget="50%"), or drop them.'
+        )
     modules.refuse_hf_checkpointing(
         "remat.hf.enable", model, "each layer would be recomputed twice"
     )
@@ -164,7 +184,7 @@ def _hook(layer: nn.Module) -> None:
     """Put the key/value cache hook on ``layer``. Its class's signature is read now: read in a
     call that ``torch.compile`` traces, the cache filled there would fail Dynamo's guard at the
     next call and compile the model again."""
-    _signature(type(layer))
+    signature(type(layer))
     layer.register_forward_pre_hook(_drop_cache, with_kwargs=True)
 
 
@@ -282,39 +302,6 @@ def _output_loss(out: Any) -> torch.Tensor:
             "(output -> loss)."
         )
     return loss
-
-
-_signatures: weakref.WeakKeyDictionary[type[nn.Module], inspect.Signature] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _signature(cls: type[nn.Module]) -> inspect.Signature:
-    signature = _signatures.get(cls)
-    if signature is None:
-        signature = _signatures[cls] = inspect.signature(cls.forward)
-    return signature
-
-
-def cache_arguments(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[inspect.BoundArguments, list[str]] | None:
-    """The key/value cache arguments of a call of ``module`` that are on (``use_cache`` true,
-    ``cache``, ``past_key_values`` or ``layer_past`` given), with the call's bound arguments;
-    ``None`` when there are none, or when the call does not bind to ``forward``'s signature."""
-    signature = _signature(type(module))
-    if not any(name in signature.parameters for name in ("use_cache", *_CACHE_ARGUMENTS)):
-        return None
-    try:
-        bound = signature.bind_partial(module, *args, **kwargs)
-    except TypeError:
-        return None  # the layer's own call raises the clearer error
-    on = [
-        name
-        for name in ("use_cache", *_CACHE_ARGUMENTS)
-        if bound.arguments.get(name) not in (None, False)
-    ]
-    return (bound, on) if on else None
 
 
 def _holds_keys(value: Any, module: nn.Module) -> bool:

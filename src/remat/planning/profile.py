@@ -37,11 +37,11 @@ from torch.utils import _pytree as pytree
 
 from .. import _state
 from .._aten import op_info, storage_key
+from .._cache import cache_arguments, describe
 from .._dispatch import EagerMode
 from .._nodes import _BLANK, _Input
 from ..checkpoint import links
 from ..errors import RematError
-from ..hf import cache_arguments
 from ..modules import checkpoint_wrapper
 from ..policies import Decision, OpContext, must_save_reason
 from ._autocast import loop_forward
@@ -265,11 +265,6 @@ def _refuse_cache(path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
     found = cache_arguments(module, args, kwargs)
     if found is None:
         return
-    bound, on = found
-    given = ", ".join(
-        f"{name}={type(bound.arguments[name]).__name__}" if name != "use_cache" else
-        "use_cache=True" for name in on
-    )  # fmt: skip
     fix = (
         "Pass use_cache=False to the model, in example_inputs and in training, or plan with "
         "remat.hf.enable(model, budget=..., example_inputs=..., loss_fn=...), which drops "
@@ -278,7 +273,8 @@ def _refuse_cache(path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
     )
     raise RematError(
         f"remat.plan: block {path!r} ({type(module).__name__}) runs with a key/value cache "
-        f"({given}); a replay of the block would append to the cache a second time. {fix}"
+        f"({describe(*found)}); a replay of the block would append to the cache a second "
+        f"time. {fix}"
     )
 
 
