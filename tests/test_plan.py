@@ -794,6 +794,29 @@ def test_a_block_that_cannot_be_copied_is_named() -> None:
         remat.plan(model, x, repeats=0)
 
 
+@pytest.mark.parametrize(
+    ("blocks", "message"),
+    [
+        (["blocks.0", "blocks.0.attn"], r"both 'blocks\.0' and 'blocks\.0\.attn', which is insi"),
+        (["blocks", "blocks.0"], r"both 'blocks', whose children are blocks, and 'blocks\.0'"),
+        (["blocks.1", "blocks.1"], r"names 'blocks\.1' twice; .* name it once"),
+        (("blocks.0.attn", "blocks.0"), r"both 'blocks\.0' and 'blocks\.0\.attn', which is insi"),
+        ("module", r"takes a submodule path .*; got a GPTBlock module\. .*blocks=\['blocks\.1'\]"),
+        (["blocks.0", nn.Linear], r"or tuple of classes; got a list holding class Linear\."),
+    ],
+)  # fmt: skip
+def test_blocks_named_twice_inside_another_or_as_modules_are_refused(
+    blocks: Any, message: str
+) -> None:
+    """A block is planned whole: one named twice or inside another would be planned twice,
+    and a module instance is no path; each says so before any work."""
+    model, x, y = _gpt()
+    if blocks == "module":
+        blocks = model.get_submodule("blocks.1")
+    with pytest.raises(remat.RematError, match=rf"^remat\.plan: blocks= .*{message}"):
+        remat.plan(model, x, loss_fn=lambda o: _lm_loss(o, y), blocks=blocks, repeats=0)
+
+
 @pytest.mark.parametrize("segments", ["no", 0, None])
 def test_segments_must_be_a_bool(segments: Any) -> None:
     model, x, _, _ = _profiled_gpt()
@@ -919,6 +942,46 @@ def test_plan_file_round_trip(tmp_path: Any) -> None:
         remat.Plan.load(path)
 
 
+def test_a_plan_file_whose_segments_do_not_add_up_is_damaged() -> None:
+    """A segment of n blocks is its first block and the n - 1 after it, each naming the first
+    as its ``segment`` and the segment's option, as the planner writes them: a file whose
+    blocks say otherwise would set up another plan than its own, so it fails as it is read."""
+    from remat.planning._plan import segments
+    from remat.planning.planner import solve
+
+    _, _, _, profiled = _profiled_gpt()
+    plan = json.loads(solve(profiled, "60%").to_json())
+    assert len({b["type"] for b in plan["blocks"]}) == 1 and len(plan["blocks"]) == 3
+    for block in plan["blocks"]:  # blocks.0 and blocks.1 one segment, blocks.2 plain
+        block.pop("segment", None)
+        block["option"] = "plain"
+    for block in plan["blocks"][:2]:
+        block.update(option="segment-2", segment="blocks.0")
+    loaded = remat.Plan.from_json(json.dumps(plan))
+    assert segments(loaded.blocks) == [["blocks.0", "blocks.1"]]
+
+    def damaged(change: Callable[[list[dict[str, Any]]], Any]) -> str:
+        broken = copy.deepcopy(plan)
+        change(broken["blocks"])
+        with pytest.raises(remat.RematError, match="the plan file is damaged") as info:
+            remat.Plan.from_json(json.dumps(broken))
+        return str(info.value)
+
+    starts = "block blocks.0 starts 'segment-2', a segment of 2 blocks: expected blocks.0, "
+    two = starts + "blocks.1 to name it as their segment, found blocks.0)"
+    three = "found blocks.0, blocks.1, blocks.2)"
+    for change, what in [
+        (lambda b: b[1].pop("segment"), two),
+        (lambda b: b[2].update(option="segment-2", segment="blocks.0"), three),
+        (lambda b: [d.update(option="segment-3") for d in b[:2]], "found blocks.0, blocks.1)"),
+        (lambda b: b[0].pop("segment"), "from 'blocks.0', which does not start one"),
+        (lambda b: b[1].update(option="plain"), "block blocks.1 is in segment 'segment-2' from"),
+        (lambda b: b[2].update(segment="blocks.2"), "(blocks.2) runs option 'plain' of kind 'pl"),
+        (lambda b: b[2].update(option="segment-2"), "past the plan's last block (blocks.2)"),
+    ]:  # fmt: skip
+        assert what in damaged(change), what
+
+
 @pytest.mark.usefixtures("every_option")
 def test_an_apply_that_fails_part_way_leaves_the_model_as_it_was(monkeypatch: Any) -> None:
     """Apply sets blocks up one by one: one that fails undoes those set up before it, so the
@@ -1002,6 +1065,20 @@ def test_a_plan_refuses_another_model(tmp_path: Any) -> None:
         remat.Plan.from_json(json.dumps({"version": "x"}))
     with pytest.raises(remat.RematError, match="must be JSON"):
         remat.Plan.from_json("not json")
+
+
+@pytest.mark.parametrize("model", ["model", None, {"blocks.0": 1}])
+def test_a_plan_applied_to_what_is_no_module_says_so(model: Any) -> None:
+    from remat.planning.planner import solve
+
+    _, _, _, profiled = _profiled_gpt()
+    plan = solve(profiled, "60%")
+    found = type(model).__name__
+    with pytest.raises(
+        remat.RematError, match=rf"^Plan\.apply: expected an nn\.Module, got {found}"
+    ):
+        plan.apply(model)
+    assert plan.policies == []
 
 
 class _Branchy(nn.Module):

@@ -158,6 +158,11 @@ class Plan:
         """Set ``model``'s blocks up as planned, in place; returns ``model``. A model that
         ``torch.compile``, ``DistributedDataParallel`` or ``nn.DataParallel`` wraps is set up
         through the module inside, as :func:`remat.plan` plans it."""
+        if not isinstance(model, nn.Module):
+            raise RematError(
+                f"Plan.apply: expected an nn.Module, got {type(model).__name__}; pass the "
+                "model the plan was made for: plan.apply(model)."
+            )
         compiled, model = model, unwrapped(model)
         refuse_sharded("Plan.apply", model)
         check_fingerprint(self.fingerprint, fingerprint(model, [b["path"] for b in self.blocks]))
@@ -486,7 +491,7 @@ def _damage(plan: Plan) -> str:
         paths.add(block["path"])
     for block in plan.blocks:
         first = block.get("segment", block["path"])
-        if first not in paths:
+        if not isinstance(first, str) or first not in paths:
             return f"block {block['path']} is in a segment from {first!r}, which is no block"
         names = {o.name for o in plan.options[block["type"]]}
         if first == block["path"] and block["option"] not in names:
@@ -502,6 +507,57 @@ def _damage(plan: Plan) -> str:
             return (
                 f"block {block['path']} has calls {calls!r}, not options of its type that "
                 "cover one block"
+            )
+    return _segment_damage(plan)
+
+
+def _segment_damage(plan: Plan) -> str:
+    """What in a plan's segments is not as the planner writes them (``planner._blocks``), ""
+    if nothing: a block whose option is a segment of ``span`` blocks starts one, and it and
+    the ``span - 1`` blocks after it in forward order name it in ``"segment"`` and name its
+    option; no other block names a segment."""
+    blocks = plan.blocks
+    segment_of = {b["path"]: b.get("segment") for b in blocks}
+    for block in blocks:
+        first = block.get("segment")
+        if first is not None and segment_of[first] != first:
+            return (
+                f"block {block['path']} is in a segment from {first!r}, which does not start "
+                f"one (its segment is {segment_of[first]!r}, not its own path)"
+            )
+    for i, block in enumerate(blocks):
+        path = block["path"]
+        if block.get("segment", path) != path:
+            continue  # inside a segment: checked with the segment's first block
+        o = plan.option(block)
+        members = [b["path"] for b in blocks if b.get("segment") == path]
+        if o.kind != "segment":
+            if members:
+                return (
+                    f"the segment from {path} ({', '.join(members)}) runs option {o.name!r} "
+                    f"of kind {o.kind!r}, not a segment"
+                )
+            continue
+        covered = blocks[i : i + o.span]
+        expected = [b["path"] for b in covered]
+        if o.span < 2:
+            return f"option {o.name!r} is a segment of {o.span} blocks, not of 2 or more"
+        if len(expected) < o.span:
+            return (
+                f"block {path} starts {o.name!r}, a segment of {o.span} blocks, past the "
+                f"plan's last block ({blocks[-1]['path']})"
+            )
+        if members != expected:
+            return (
+                f"block {path} starts {o.name!r}, a segment of {o.span} blocks: expected "
+                f"{', '.join(expected)} to name it as their segment, found "
+                f"{', '.join(members) or 'none'}"
+            )
+        other = next((b for b in covered if b["option"] != o.name), None)
+        if other is not None:
+            return (
+                f"block {other['path']} is in segment {o.name!r} from {path}, but names "
+                f"option {other['option']!r}"
             )
     return ""
 

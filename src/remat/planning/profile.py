@@ -149,20 +149,7 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
         if selects_by_class(blocks):
             found = _outermost([n for n, m in names.items() if isinstance(m, blocks) and n])
         else:
-            found = []
-            for n in [blocks] if isinstance(blocks, str) else blocks:
-                container = names.get(n) if isinstance(n, str) and n else None
-                if isinstance(container, (nn.ModuleList, nn.ModuleDict)):  # never called: its
-                    found += [f"{n}.{c}" for c in container._modules]  # children are the blocks
-                else:
-                    found.append(n)
-            missing = [n for n in found if not isinstance(n, str) or n not in names or not n]
-            if missing:
-                raise RematError(
-                    f"remat.plan: blocks= names {missing[0]!r}, which is not a submodule of "
-                    f"{type(model).__name__}; give submodule paths such as 'layers.0', or a "
-                    "module class."
-                )
+            found = _named_paths(model, names, blocks)
         if not found:
             raise RematError(
                 f"remat.plan: blocks={blocks!r} matches no submodule of {type(model).__name__}; "
@@ -187,6 +174,74 @@ def find_blocks(model: nn.Module, blocks: Any = None) -> list[str]:
         if not isinstance(names[n], containers) or not any(o.startswith(n + ".") for o in found)
     ]
     return _outermost(found)
+
+
+_BLOCKS_TAKES = (
+    "blocks= takes a submodule path ('layers.0'), a list or tuple of them (the path of an "
+    "nn.ModuleList stands for its children), or a module class or tuple of classes"
+)
+
+
+def _named_paths(model: nn.Module, names: dict[str, nn.Module], blocks: Any) -> list[str]:
+    """The paths ``blocks=`` names, each once and none inside another: a block is planned
+    whole, so one named inside another (or twice) would be planned twice."""
+    given = [blocks] if isinstance(blocks, str) else blocks
+    if not isinstance(given, (list, tuple)) or not all(isinstance(n, str) for n in given):
+        raise _not_paths(model, names, blocks)
+    named: list[tuple[str, str]] = []  # each block's path, and the name given for it
+    for n in given:
+        container = names.get(n) if n else None
+        if isinstance(container, (nn.ModuleList, nn.ModuleDict)):  # never called: its
+            named += [(f"{n}.{c}", n) for c in container._modules]  # children are the blocks
+        else:
+            named.append((n, n))
+    missing = [n for n, _ in named if n not in names or not n]
+    if missing:
+        raise RematError(
+            f"remat.plan: blocks= names {missing[0]!r}, which is not a submodule of "
+            f"{type(model).__name__}; give submodule paths such as 'layers.0', or a "
+            "module class."
+        )
+    for i, (path, name) in enumerate(named):
+        twice = next((g for p, g in named[:i] if p == path), None)
+        outer = next((p for p, _ in named if path.startswith(p + ".")), None)
+        if twice is None and outer is None:
+            continue
+        if twice == name:
+            what, fix = f"{name!r} twice", "name it once"
+        elif twice is not None:  # once itself, once as a child of a ModuleList named
+            listed = name if name != path else twice
+            what = f"both {listed!r}, whose children are blocks, and {path!r}, one of them"
+            fix = f"drop {path!r}"
+        else:
+            what = f"both {outer!r} and {name!r}, which is inside it"
+            fix = f"drop {name!r}"
+        raise RematError(
+            f"remat.plan: blocks= names {what}; a block is planned whole, with the modules "
+            f"inside it, so each is named once and none inside another: {fix}."
+        )
+    return [path for path, _ in named]
+
+
+def _not_paths(model: nn.Module, names: dict[str, nn.Module], blocks: Any) -> RematError:
+    """The error for a ``blocks=`` that is neither paths nor classes: a module, say."""
+    items = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]
+    bad = next(b for b in items if not isinstance(b, str))
+    found = type(bad).__name__
+    if isinstance(bad, nn.Module):
+        found = f"a {found} module"
+    elif isinstance(bad, type):
+        found = f"class {bad.__name__}"
+    if bad is not blocks:
+        found = f"a {type(blocks).__name__} holding {found}"
+    path = next((n for n, m in names.items() if m is bad and n), None)
+    if path is not None:
+        fix = f"name that module by its path, blocks=[{path!r}], or by its class"
+    elif isinstance(bad, nn.Module):
+        fix = f"that module is not in {type(model).__name__}: name its blocks by path or class"
+    else:
+        fix = "give submodule paths such as 'layers.0', or a module class"
+    return RematError(f"remat.plan: {_BLOCKS_TAKES}; got {found}. To plan it, {fix}.")
 
 
 def no_blocks_found(model: nn.Module) -> RematError:
