@@ -467,7 +467,8 @@ def test_blocks_the_forward_calls_more_than_once_are_planned_call_by_call(tmp_pa
     x = torch.randn(16, 8, 32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to warn about
-        plan = remat.plan(model, x, budget="50%", repeats=0)
+        # the loss the steps below take: the plan's verified peak is its step's
+        plan = remat.plan(model, x, budget="50%", loss_fn=lambda o: o.square().sum(), repeats=0)
     assert plan.measured["calls"] == {"layers.0": 3, "layers.1": 3}
     assert [b["path"] for b in plan.blocks] == ["layers.0", "layers.1"]
     assert all(len(b["calls"]) == 3 and b["calls"][0] == b["option"] for b in plan.blocks)
@@ -486,8 +487,9 @@ def test_blocks_the_forward_calls_more_than_once_are_planned_call_by_call(tmp_pa
         peaks.append(peak_step_bytes(lambda m=m: m(x).square().sum().backward(), x.device))
     assert peaks[1] == plan.measured["verified_peak"]
     assert_equal([p.grad for p in plain.parameters()], [p.grad for p in planned.parameters()])
-    assert "0 not in the plan" in plan.report()
-    # Each graph-engine option of a block was followed at each call that runs it.
+    # Each graph-engine option of a block (the plan may pick regions only: the options'
+    # times decide) was followed at each call that runs it, every op in the plan.
+    assert ("0 not in the plan" in plan.report()) == bool(plan.policies)
     for policy in plan.policies:
         path, name = policy.block.split(" (") if " (" in policy.block else (policy.block, "")
         entry = next(b for b in plan.blocks if b["path"] == path)
@@ -644,7 +646,15 @@ class _Rounds(_Shared):
         return x
 
 
-@pytest.mark.parametrize("first", [["region", "plain", "region"], ["region"] * 3])
+def _leanest(plan: remat.Plan, block_type: str) -> str:
+    """The name of the option of ``block_type`` that keeps least and covers one block. Which
+    options a plan lists depends on their measured times (an option slower than one keeping
+    as little is dropped), so tests name options through this, not as ``"region"``."""
+    options = [o for o in plan.options[block_type] if o.kind != "segment"]
+    return min(options, key=lambda o: o.kept).name
+
+
+@pytest.mark.parametrize("first", [["lean", "plain", "lean"], ["lean"] * 3])
 def test_a_forward_that_calls_a_shared_block_more_than_planned_warns_once(
     first: list[str],
 ) -> None:
@@ -657,7 +667,9 @@ def test_a_forward_that_calls_a_shared_block_more_than_planned_warns_once(
     model = _Rounds()
     x = torch.randn(16, 8, 32)
     plan = remat.plan(model, x, budget="100%", repeats=0)
-    plan.blocks[0].update(option=first[0], calls=list(first))
+    lean = _leanest(plan, plan.blocks[0]["type"])
+    calls = [lean if name == "lean" else name for name in first]
+    plan.blocks[0].update(option=calls[0], calls=calls)
     plan.blocks[1].update(option="plain", calls=["plain"] * 3)
     planned = plan.apply(copy.deepcopy(model))
     plain = copy.deepcopy(model)
