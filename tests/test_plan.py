@@ -693,12 +693,184 @@ def test_a_forward_that_calls_a_shared_block_more_than_planned_warns_once(
     assert len(messages) == 2, messages
     for path, message in zip(["layers.0", "layers.1"], messages, strict=True):
         assert message.startswith(
-            f"remat: block '{path}' was called more than the 3 times in one forward"
+            f"remat: block '{path}' was called more than 3 times in one forward"
         )
         assert "does not hold for this step (gradients stay exact)" in message
     for _ in range(2):
         torch.manual_seed(1)
         plain(x).square().sum().backward()
+    assert_equal([p.grad for p in plain.parameters()], [p.grad for p in planned.parameters()])
+
+
+@pytest.mark.parametrize("options", [["lean", "plain"], ["plain", "lean"], ["lean", "lean"]])
+def test_a_forward_that_calls_a_block_more_often_than_planned_warns_once(
+    options: list[str],
+) -> None:
+    """A block the profiled forward called once is counted too: a loop over the layers run
+    twice holds more than the plan (each block's second call plain or recomputed again), so
+    the first second call of each block warns, once; a forward as profiled, or one under
+    no_grad, does not; gradients stay bit-equal."""
+    torch.manual_seed(0)
+    model = _Rounds()
+    model.rounds = 1
+    x = torch.randn(16, 8, 32)
+    plan = remat.plan(model, x, budget="100%", repeats=0)
+    assert all(len(b.get("calls", [])) <= 1 for b in plan.blocks)
+    for block, name in zip(plan.blocks, options, strict=True):
+        block.update(option=_leanest(plan, block["type"]) if name == "lean" else name)
+    planned = plan.apply(copy.deepcopy(model))
+    plain = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            planned(x).sum().backward()
+        planned.rounds = 2
+        with torch.no_grad():
+            planned(x)
+    planned.zero_grad()
+    plain.rounds = 2
+    with pytest.warns(UserWarning) as record:
+        for _ in range(2):  # once per block: the second step is quiet
+            torch.manual_seed(1)
+            planned(x).square().sum().backward()
+    messages = sorted(str(w.message) for w in record)
+    assert [m.split(" was called")[0] for m in messages] == [
+        "remat: block 'layers.0'",
+        "remat: block 'layers.1'",
+    ], messages
+    assert all("was called more than once in one forward of the model" in m for m in messages)
+    for _ in range(2):
+        torch.manual_seed(1)
+        plain(x).square().sum().backward()
+    assert_equal([p.grad for p in plain.parameters()], [p.grad for p in planned.parameters()])
+
+
+def test_a_block_replaced_or_added_after_apply_warns_once() -> None:
+    """A module set in a block's place after ``apply``, or added to the module list of
+    blocks, runs outside the plan: the first forward with gradients that runs it warns once
+    (``CallCount.done``). A copy of the planned model, a block removed, and a forward under
+    no_grad are quiet."""
+    torch.manual_seed(0)
+    model = _Rounds()
+    model.rounds = 1
+    x = torch.randn(16, 8, 32)
+    plan = remat.plan(model, x, budget="100%", repeats=0)
+    fresh = copy.deepcopy(model.layers[0])
+
+    def step(m: nn.Module) -> None:
+        m(x).sum().backward()
+
+    planned = plan.apply(copy.deepcopy(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(planned)
+        step(copy.deepcopy(planned))
+        removed = copy.deepcopy(planned)
+        del removed.layers[1]
+        step(removed)
+        replaced = copy.deepcopy(planned)
+        replaced.layers[1] = copy.deepcopy(fresh)
+        with torch.no_grad():
+            replaced(x)
+    added = copy.deepcopy(planned)
+    added.layers.append(copy.deepcopy(fresh))
+    for m, message in [
+        (replaced, "block 'layers.1' is another Sequential now, set in the place of the block"),
+        (added, "block 'layers.2' was added to layers after the plan was applied"),
+    ]:
+        with pytest.warns(UserWarning) as record:
+            step(m)
+            step(m)  # once
+        assert [str(w.message) for w in record] == [
+            f"remat: {message}"
+            + (
+                " the plan was applied to, and runs outside the plan"
+                if m is replaced
+                else ", and runs outside it"
+            )
+            + f", so the plan's budget of {fmt_bytes(plan.budget)} does not hold for this step "
+            "(gradients stay exact). Set the model's modules up before planning, or "
+            + (
+                "apply the plan again (remat.unapply(model), then plan.apply(model)), or plan "
+                "again."
+                if m is replaced
+                else "plan again."
+            )
+        ]
+
+
+class _Logits(nn.Module):
+    """Blocks, then a head whose output (a dict, as a Hugging Face model's) is as large as
+    the blocks' activations."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)) for _ in range(4)
+        )
+        self.head = nn.Linear(32, vocab)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        for block in self.blocks:
+            x = x + block(x)
+        return {"logits": self.head(x)}
+
+
+@pytest.mark.parametrize(("vocab", "warns"), [(512, True), (2, False)])
+def test_a_loop_that_holds_the_output_through_backward_warns_where_it_breaks_the_budget(
+    vocab: int, warns: bool
+) -> None:
+    """A plan is measured with the output freed once the loss is computed; ``out = model(x);
+    loss_fn(out).backward()`` holds it to the end of backward (NOTE [ The output held through
+    backward ] in ``apply.py``). Where the output is larger than the room the plan leaves
+    under its budget, that loop measures above the budget and warns once, naming the output's
+    bytes; a loop that keeps only the loss measures the plan's peak and is quiet, and so is
+    a held output that fits. Gradients are bit-equal in every loop."""
+    torch.manual_seed(0)
+    model = _Logits(vocab)
+    x, y = torch.randn(16, 64, 32), torch.randint(0, vocab, (16, 64))
+
+    def loss_fn(out: dict[str, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(out["logits"].flatten(0, 1), y.flatten())
+
+    plan = remat.plan(model, x, budget="90%", loss_fn=loss_fn, repeats=0)
+    planned, plain = plan.apply(copy.deepcopy(model)), copy.deepcopy(model)
+    output = 16 * 64 * vocab * 4
+
+    def holds(m: nn.Module) -> None:
+        out = m(x)
+        loss_fn(out).backward()
+
+    def frees(m: nn.Module) -> None:
+        loss_fn(m(x)).backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert peak_step_bytes(lambda: frees(planned), x.device) <= plan.budget
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        held = peak_step_bytes(lambda: holds(planned), x.device)
+        holds(planned)  # once: the second step is quiet
+    messages = [str(w.message) for w in record]
+    assert (held > plan.budget) == warns == (plan.predicted_peak + output > plan.budget)
+    if warns:
+        assert messages == [
+            f"remat: the model's output ({fmt_bytes(output)}) is still held when backward "
+            "reaches the model, so the step can hold up to that much above the plan's "
+            f"predicted peak of {fmt_bytes(plan.predicted_peak)}, past its budget of "
+            f"{fmt_bytes(plan.budget)} (gradients stay exact). The plan was measured with the "
+            "output freed once the loss is computed, as loss_fn(model(x)).backward() frees "
+            "it. Compute the loss and drop the output before backward (loss = loss_fn(out); "
+            "del out; loss.backward(), or keep only outputs.loss), or plan with a budget "
+            f"{fmt_bytes(output)} lower."
+        ]
+    else:
+        assert messages == []
+    for m in (plain, planned):
+        m.zero_grad(set_to_none=True)
+        for step in (holds, frees):
+            torch.manual_seed(1)
+            step(m)
     assert_equal([p.grad for p in plain.parameters()], [p.grad for p in planned.parameters()])
 
 

@@ -194,7 +194,7 @@ def disable(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise RematError(f"remat.hf.disable: expected an nn.Module, got {type(model).__name__}.")
     compiled, model = model, unwrapped(model)
-    from .planning.apply import forget_applied, undo_option, undo_segment_on
+    from .planning.apply import forget_applied, undo_around_blocks, undo_option, undo_segment_on
 
     found = 0
     for m in model.modules():
@@ -204,7 +204,8 @@ def disable(model: nn.Module) -> nn.Module:
             undo_segment_on(m)
     if found:
         undo_segment_on(model)  # a graph-engine segment closes at the end of the model's forward
-        undo_option(model)  # the count of a shared layer's calls starts at the model's forward
+        undo_option(model)
+        undo_around_blocks(model)  # the count of the layers' calls, the held output's check
         modules.unguard_hf_checkpointing(model)
         forget_applied(model)
     if not found:

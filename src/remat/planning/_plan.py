@@ -26,6 +26,7 @@ from .apply import (
     OFFLOADS,
     CallCount,
     Counted,
+    HeldOutput,
     PlanPolicy,
     RefuseTraining,
     UnlikeProfiled,
@@ -34,6 +35,7 @@ from .apply import (
     apply_option,
     apply_per_call,
     apply_segment,
+    count_calls,
     note_applied,
     refuse_set_up,
     undo_all,
@@ -196,27 +198,36 @@ class Plan:
         for paths in segments(self.blocks):
             o = self.option(first[paths[0]])
             apply_segment(model, paths, o.tier, o.linked)
-        # The calls of shared blocks, numbered in each forward: see [ Options per call ] in
-        # ``apply.py``.
-        planned = {b["path"]: len(b["calls"]) for b in self.blocks if len(b.get("calls", [])) > 1}
-        count = CallCount(planned, self.budget)
+        # Every block's calls, counted in each forward (numbered, for a shared block whose
+        # calls run different options): see [ Options per call ] in ``apply.py``.
+        planned = {b["path"]: max(len(b.get("calls", [])), 1) for b in self.blocks}
+        parents = {p.rpartition(".")[0] for p in planned if "." in p}
+        lists = {
+            p: list(m._modules)
+            for p in parents
+            if isinstance(
+                m := model.get_submodule(p), (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+            )
+        }
+        count = CallCount(planned, self.budget, lists)
         if planned:
-            model.register_forward_pre_hook(count.reset)
+            count_calls(model, count)
+            # See [ The output held through backward ] in ``apply.py``.
+            model.register_forward_hook(HeldOutput(self.budget, self.predicted_peak))
         for block in self.blocks:
             o = self.option(block)
-            if o.kind == "segment":
-                continue
             module = model.get_submodule(block["path"])
             calls = block.get("calls", [])
             if len(set(calls)) > 1:
                 options = [self._named(block["type"], name) for name in calls]
                 self.policies += apply_per_call(module, block["path"], options, count)
                 continue
+            module.register_forward_pre_hook(Counted(count, block["path"]))
+            if o.kind == "segment":
+                continue
             policy = apply_option(module, block["path"], o.kind, o.decisions, o.tier)
             if policy is not None:
                 self.policies.append(policy)
-            if block["path"] in planned:
-                module.register_forward_pre_hook(Counted(count, block["path"]))
         if self.blocks:
             path = self.blocks[0]["path"]
             measured_inputs = int(self.measured.get("input_bytes", 0))

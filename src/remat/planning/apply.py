@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import sys
@@ -116,8 +117,10 @@ from .profile import KeyCounter, device_of
 __all__ = [
     "CallCount",
     "Counted",
+    "HeldOutput",
     "Linked",
     "LinkedForward",
+    "Outer",
     "PerCallForward",
     "PlanPolicy",
     "Segment",
@@ -237,37 +240,62 @@ def apply_option(
 # A block the forward calls more than once runs, at each call, the option the plan gave that
 # call (see [ Shared blocks ] in ``planner.py``). Where its calls' options differ, its
 # instance-level forward is a :class:`PerCallForward`, which numbers the block's calls in each
-# forward of the model and runs the call's option: the class's forward (plain), a region of
-# the region engine, or one of the graph engine with the option's :class:`PlanPolicy` (one per
-# option, its occurrence count started afresh at each call), inside ``remat.offload(tier)``
-# for an option with a tier. A forward pre-hook on the model the plan was applied to starts
-# the numbers afresh (:class:`CallCount`); calls past the planned ones (a forward that loops
-# more, a block called from outside the model) go round the planned ones again. Every option
-# is exact, so numbers out of step with the plan move memory and time, never gradients; but
-# the budget does not hold for such a step, so the first call past the planned ones (with
-# gradients enabled) warns, once per block. A shared block whose calls all run one option is
-# counted too (:class:`Counted`, a forward pre-hook): a forward that calls it more often than
-# planned holds more than the plan predicted. Fewer calls than planned (a forward that
-# raised, a loop that stopped early) run a prefix of the plan and hold no more than it.
+# forward and runs the call's option: the class's forward (plain), a region of the region
+# engine, or one of the graph engine with the option's :class:`PlanPolicy` (one per option,
+# its occurrence count started afresh at each call), inside ``remat.offload(tier)`` for an
+# option with a tier. Every other block of the plan is counted too (:class:`Counted`, a
+# forward pre-hook), a block called once as much as a shared block whose calls all run one
+# option.
+#
+# The numbers start afresh at each forward of the model the plan was applied to, or of a
+# module between it and the blocks (a loop may call ``model.model(...)``, a Hugging Face
+# model's body without its head): :class:`Outer`'s hooks on each of them count how many
+# forwards are under way, and the outermost one starts the count (:class:`CallCount`). Calls
+# past the planned ones (a forward that loops more, a block called from outside those
+# forwards) go round the planned ones again. Every option is exact, so numbers out of step
+# with the plan move memory and time, never gradients; but the budget does not hold for such
+# a step, so the first call past the planned ones (with gradients enabled) warns, once per
+# block. Fewer calls than planned (a forward that raised, a loop that stopped early, a block
+# skipped) run a prefix of the plan and hold no more than it. A recompute in backward runs no
+# forward hooks (the region engine re-runs the class's forward, the graph engine ATen ops), so
+# it is not counted.
+#
+# At the end of the outermost forward, a block under it that was not called may have been
+# replaced since ``apply`` by a module the plan does not run (one without a :class:`Counted`
+# hook), and a module list of blocks may hold one added since: each warns once.
+#
 # Under ``torch.compile`` each call runs the leanest of the block's options (the least kept
 # bytes), as Dynamo traces that option on a block of its own: no number is read or advanced
 # while Dynamo traces, whose restarts of a trace would see it advanced.
 
 
 class CallCount:
-    """The calls of each shared block so far in the model's forward under way, by path;
-    ``planned``: each block's calls in the plan, ``budget`` the plan's (for the warning)."""
+    """The calls of each block so far in the forward under way, by path; ``planned``: each
+    block's calls in the plan, ``budget`` the plan's (for the warnings), ``lists`` the
+    children of each module list that holds blocks, by its path, as at ``apply``."""
 
-    def __init__(self, planned: dict[str, int], budget: int) -> None:
+    def __init__(
+        self, planned: dict[str, int], budget: int, lists: dict[str, list[str]] | None = None
+    ) -> None:
         self.planned = planned
         self.budget = budget
+        self.lists = lists or {}
         self.counts: dict[str, int] = {}
         self.warned: set[str] = set()
+        self.depth = 0  # the forwards of the model and the modules around blocks under way
 
-    def reset(self, module: nn.Module, args: Any) -> None:
-        """A forward of the model begins (a forward pre-hook on it)."""
-        if not torch.compiler.is_compiling():
+    def enter(self) -> None:
+        """A forward of the model, or of a module between it and blocks, begins: where it is
+        the outermost, the calls are counted afresh."""
+        if self.depth == 0:
             self.counts = {}
+        self.depth += 1
+
+    def leave(self, module: nn.Module, prefix: str) -> None:
+        """The forward of ``module`` (at path ``prefix`` in the model) ends."""
+        self.depth = max(self.depth - 1, 0)
+        if self.depth == 0 and torch.is_grad_enabled():
+            self._check(module, prefix)
 
     def next(self, path: str) -> int:
         """The number, among the planned ones, of the call of block ``path`` that begins;
@@ -277,21 +305,105 @@ class CallCount:
         planned = self.planned[path]
         if n == planned and path not in self.warned and torch.is_grad_enabled():
             self.warned.add(path)
+            times = {1: "once", 2: "twice"}.get(planned, f"{planned} times")
             _budget_warning(
                 repr(path),
                 self.budget,
-                f"was called more than the {planned} times in one forward of the model that "
-                "the plan was made for (or called outside that forward); the calls past them "
-                "are not in the plan",
+                f"was called more than {times} in one forward of the model, as the plan "
+                "planned it (or called outside that forward); the calls past those are not in "
+                "the plan",
                 "Plan with the forward the model trains with (remat.plan, remat.fit), and call "
                 "the block from the forward of the model the plan was applied to.",
             )
         return n % planned
 
+    def _check(self, module: nn.Module, prefix: str) -> None:
+        """At the end of the forward of ``module`` (the model, or the module at ``prefix``
+        in it): a block under it that the forward did not call may have been replaced, after
+        ``apply``, by a module the plan does not run, and a module list of blocks may hold
+        one added since."""
+
+        def under(path: str) -> nn.Module | None:
+            if prefix and path != prefix and not path.startswith(prefix + "."):
+                return None
+            try:
+                return module.get_submodule(path[len(prefix) + 1 :] if prefix else path)
+            except AttributeError:
+                return None  # removed: the forward runs fewer blocks than planned
+
+        for path, children in self.lists.items():
+            found = under(path)
+            added = [n for n in found._modules if n not in children] if found is not None else []
+            if added and path not in self.warned:
+                self.warned.add(path)
+                _budget_warning(
+                    repr(f"{path}.{added[0]}"),
+                    self.budget,
+                    f"was added to {path} after the plan was applied, and runs outside it",
+                    "Set the model's modules up before planning, or plan again.",
+                )
+        for path in self.planned:
+            if path in self.counts or path in self.warned:
+                continue
+            block = under(path)
+            if block is None or _counted(block):
+                continue  # not called in this forward (skipped, an early exit): holds less
+            self.warned.add(path)
+            _budget_warning(
+                repr(path),
+                self.budget,
+                f"is another {type(block).__name__} now, set in the place of the block the "
+                "plan was applied to, and runs outside the plan",
+                "Set the model's modules up before planning, or apply the plan again "
+                "(remat.unapply(model), then plan.apply(model)), or plan again.",
+            )
+
+
+class Outer:
+    """The forward pre-hook (:meth:`enter`) and hook (:meth:`leave`, run also when the
+    forward raises) on the model and on each module between it and a block (at ``prefix``):
+    the outermost of them that runs starts the count of block calls afresh, and checks the
+    blocks under it at its end. A loop that calls a submodule (``model.model(...)`` of a
+    Hugging Face model with a head) is counted as one that calls the model."""
+
+    def __init__(self, count: CallCount, prefix: str) -> None:
+        self.count = count
+        self.prefix = prefix
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.count.enter()
+
+    def leave(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.count.leave(module, self.prefix)
+
+
+def count_calls(model: nn.Module, count: CallCount) -> None:
+    """Put :class:`Outer`'s hooks on ``model`` and on each module between it and the blocks
+    ``count`` plans."""
+    prefixes = {""}
+    for path in count.planned:
+        parts = path.split(".")
+        prefixes.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    for prefix in sorted(prefixes):
+        outer = Outer(count, prefix)
+        module = model.get_submodule(prefix)
+        module.register_forward_pre_hook(outer.enter)
+        module.register_forward_hook(outer.leave, always_call=True)
+
+
+def _counted(block: nn.Module) -> bool:
+    """Whether ``block`` is set up by a plan: its calls are counted (:class:`Counted`, or a
+    :class:`PerCallForward` that numbers them)."""
+    return isinstance(block.__dict__.get("forward"), PerCallForward) or any(
+        isinstance(hook, Counted) for hook in block._forward_pre_hooks.values()
+    )
+
 
 class Counted:
-    """A forward pre-hook that counts the calls of a shared block whose calls all run one
-    option (see [ Options per call ])."""
+    """A forward pre-hook that counts the calls of a block whose calls all run one option (see
+    [ Options per call ])."""
 
     def __init__(self, count: CallCount, path: str) -> None:
         self.count = count
@@ -518,6 +630,100 @@ class UnlikeProfiled:
         _budget_warning(repr(self.path), self.budget, what, fix)
 
 
+# NOTE [ The output held through backward ]
+#
+# A plan is measured on a step that keeps the loss, not the model's output, through backward
+# (``planner._step``), as ``loss_fn(model(x)).backward()`` does: there autograd frees the
+# output once the loss's backward has read it. The loop ``out = model(x);
+# loss_fn(out).backward()``, and Hugging Face's ``outputs = model(**batch);
+# outputs.loss.backward()``, hold it to the end of backward instead, on top of everything the
+# plan predicted there: a language model's logits can be as large as the whole budget. A
+# forward hook on the model (:class:`HeldOutput`) finds when that can break the budget (the
+# output's bytes above the room the plan leaves under it, and above 1% of the budget) and
+# then hooks the largest output tensor's gradient: when backward reaches the model, every
+# node that read the output has run and let go of it, so an output tensor still alive there
+# is the loop's. The first such step warns, naming the bytes and the fix; a step that frees
+# the output costs a weak reference per output tensor and one tensor hook.
+
+
+def _output_tensors(out: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors of a model's output: in tuples, lists, mappings (Hugging Face's
+    ``ModelOutput``) and dataclasses, a few levels deep."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if depth > 3:
+        return []
+    if isinstance(out, dict):
+        items: Any = out.values()
+    elif isinstance(out, (list, tuple)):
+        items = out
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        items = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    else:
+        return []
+    return [t for item in items for t in _output_tensors(item, depth + 1)]
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each counted once."""
+    storages = {}
+    for t in tensors:
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # no storage of its own (sparse)
+            continue
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+class HeldOutput:
+    """A forward hook on the model a plan is applied to: warns once when the loop holds the
+    model's output through backward and that can take the step past the budget (see NOTE
+    [ The output held through backward ])."""
+
+    def __init__(self, budget: int, predicted: int) -> None:
+        self.budget = budget
+        self.predicted = predicted
+        self.warned = False
+
+    def __call__(self, model: nn.Module, args: Any, out: Any) -> None:
+        if self.warned or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        tensors = _output_tensors(out)
+        graded = [t for t in tensors if t.grad_fn is not None]
+        if not graded or not self._breaks(_storage_bytes(tensors)):
+            return
+        refs = [weakref.ref(t) for t in tensors]
+        largest = max(graded, key=lambda t: _storage_bytes([t]))
+
+        def reached(grad: torch.Tensor) -> None:
+            held = [t for ref in refs if (t := ref()) is not None]
+            if self.warned or not held:
+                return
+            nbytes = _storage_bytes(held)
+            if not self._breaks(nbytes):
+                return
+            self.warned = True
+            warn(
+                f"remat: the model's output ({fmt_bytes(nbytes)}) is still held when backward "
+                "reaches the model, so the step can hold up to that much above the plan's "
+                f"predicted peak of {fmt_bytes(self.predicted)}, past its budget of "
+                f"{fmt_bytes(self.budget)} (gradients stay exact). The plan was measured with "
+                "the output freed once the loss is computed, as loss_fn(model(x)).backward() "
+                "frees it. Compute the loss and drop the output before backward (loss = "
+                "loss_fn(out); del out; loss.backward(), or keep only outputs.loss), or plan "
+                f"with a budget {fmt_bytes(nbytes)} lower."
+            )
+
+        largest.register_hook(reached)  # type: ignore[no-untyped-call]
+
+    def _breaks(self, held: int) -> bool:
+        """Whether ``held`` bytes on top of the predicted peak break the budget, by more than
+        1% of it (a classifier's scores are not worth a warning; a language model's logits
+        are)."""
+        return held > 0.01 * self.budget and self.predicted + held > self.budget
+
+
 def _budget_warning(block: str, budget: int, what: str, fix: str) -> None:
     """Warn that ``block`` (its path, as the message shows it) ``what``, so a plan's
     ``budget`` does not hold for this step; ``fix``."""
@@ -548,8 +754,8 @@ def _option_hook(hook: Any) -> bool:
     return (
         hook is _reset
         or hook is _done
-        or isinstance(hook, (Counted, RefuseTraining, UnlikeProfiled, Unplanned))
-        or isinstance(getattr(hook, "__self__", None), (Offloaded, CallCount))
+        or isinstance(hook, (Counted, HeldOutput, RefuseTraining, UnlikeProfiled, Unplanned))
+        or isinstance(getattr(hook, "__self__", None), (Offloaded, Outer))
     )
 
 
@@ -659,12 +865,28 @@ def set_up(model: nn.Module) -> str | None:
         ):
             return path
         hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+        # (the hooks a plan puts on the model and the modules around its blocks are no
+        # block's: the blocks name the path)
         if any(
-            _option_hook(hook) or isinstance(getattr(hook, "__self__", None), Segment)
+            (_option_hook(hook) and not _around_blocks(hook))
+            or isinstance(getattr(hook, "__self__", None), Segment)
             for hook in hooks
         ):
             return path
     return None
+
+
+def undo_around_blocks(model: nn.Module) -> None:
+    """Take the hooks ``Plan.apply`` puts on ``model`` and the modules around its blocks
+    (:func:`count_calls`, :class:`HeldOutput`) off them."""
+    for module in model.modules():
+        remove_hooks(module, _around_blocks)
+
+
+def _around_blocks(hook: Any) -> bool:
+    """Whether ``hook`` is one ``Plan.apply`` puts on the model or a module around blocks,
+    rather than on a block."""
+    return isinstance(hook, HeldOutput) or isinstance(getattr(hook, "__self__", None), Outer)
 
 
 def refuse_set_up(caller: str, model: nn.Module, why: str) -> None:
