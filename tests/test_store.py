@@ -7,6 +7,7 @@ accelerator tensors would.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import threading
@@ -375,6 +376,38 @@ def test_a_saved_tensor_written_in_place_then_dropped_still_raises(
         assert storage() is None  # nothing held the tensor's memory
     with pytest.raises(remat.RematError, match=r"modified in place after it was saved: its ver"):
         loss.backward()
+
+
+@pytest.mark.parametrize("what", ["parameter", "buffer", "small"])
+def test_a_tensor_the_scope_keeps_written_in_place_before_backward_raises(
+    host: HostTier, what: str
+) -> None:
+    """What an offload scope does not move (a parameter, a module's buffer, a tensor under
+    min_bytes) is kept in place; saved-tensor hooks switch autograd's in-place check off for
+    it too, and backward read the written value silently (a gradient of the cosine of the
+    written tensor). Plain autograd raises; so does the scope now. Unwritten, the step is
+    bit-equal to plain."""
+    torch.manual_seed(0)
+    linear, norm = nn.Linear(8, 8), nn.BatchNorm1d(8).eval()
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step(scoped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        with remat.offload("host", min_bytes=1024) if scoped else contextlib.nullcontext():
+            h = x * 2  # 128 bytes: kept
+            loss = (norm(linear(x)) + h.sin()).square().sum()
+        written = {"parameter": linear.weight, "buffer": norm.running_var, "small": h}[what]
+        return loss, written
+
+    plain = torch.autograd.grad(step(False)[0], [x, linear.weight])
+    assert all(map(torch.equal, plain, torch.autograd.grad(step(True)[0], [x, linear.weight])))
+    for scoped, error in ((False, RuntimeError), (True, remat.RematError)):
+        loss, written = step(scoped)
+        with torch.no_grad():
+            written.mul_(2)
+        with pytest.raises(error, match="modified"):
+            loss.backward()
+        with torch.no_grad():
+            written.div_(2)
 
 
 def test_graph_engine_offloaded_output_then_written_in_place_is_exact(host: HostTier) -> None:

@@ -313,7 +313,7 @@ def _packer(scope: Scope) -> Any:
         if not scope.wants(t):
             if observer is not None:
                 observer.saved(t, "keep", f"not offloaded: {_why_not(scope, t)}")
-            return t
+            return _Kept(t)
         if observer is not None:
             observer.saved(t, "offload", f"{scope.store.tier.name} tier")
         return scope.store.pack(t, prefetch=scope.prefetch)
@@ -340,7 +340,36 @@ def _why_not(scope: Scope, t: torch.Tensor) -> str:
     return f"smaller than min_bytes={scope.min_bytes}"
 
 
+class _Kept:
+    """A tensor an offload scope keeps in place, with its version when it was saved: saved-
+    tensor hooks switch autograd's own check of in-place writes off, for these too, so a
+    parameter written by an optimizer step, or a buffer, before backward would be read as
+    written (see Step 2 of NOTE [ Life of an offloaded tensor ] in ``_store.py``)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise RematError(
+                "remat: a tensor saved for backward (kept in memory by remat.offload) was "
+                f"modified in place after it was saved: its version is {t._version}, it was "
+                f"saved at version {self.version} (shape {tuple(t.shape)}, {t.dtype}). A "
+                "parameter or buffer written before backward (an optimizer step, a clamp, a "
+                "running statistic) or a small tensor written in place; plain autograd raises "
+                "here too. Clone it before modifying it, make the in-place op out of place, or "
+                "run backward first."
+            )
+        return t
+
+
 def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, _Kept):
+        return packed.unpack()
     return packed.tensor if isinstance(packed, Saved) else packed
 
 
