@@ -214,6 +214,13 @@ BAD: list[tuple[list[str], str]] = [
     (["--offload", "--workload", "mlp"], "--offload: measures the gpt workload"),
     (["--offload", "--rounds", "0"], "--offload: --rounds must be at least 1"),
     (["--solve-time", "--workload", "mlp"], "--solve-time: plans a 48-layer gpt at 25%"),
+    # a size the child process of a mode would fail on, checked first; the default workload
+    # named explicitly is not taken for no workload at all
+    (["--pipeline", "--size", "huge"], "unknown size 'huge'; expected one of: bench,"),
+    (["--offload", "--size", "huge"], "unknown size 'huge'; expected one of: bench,"),
+    (["--pipeline", "--workload", "gpt"], "measures the unet workload (skip connections"),
+    (["--solve-time", "--workload", "gpt"], "--solve-time: plans a 48-layer gpt at 25%"),
+    (["--offload", "--workload", "gpt"], "--offload: does not use --workload"),
     (["--pipeline", "--processes", "2"], "--pipeline and --offload measure in one process"),
     (["--budgets", "0.5,tourch"], "--budgets takes fractions in (0, 1] of the plain step's"),
     (["--disk-budgets", "0.1,2"], "--disk-budgets takes fractions in (0, 1] of the plain step"),

@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
             "plain run bit for bit."
         ),
     )
-    bench.add_argument("--workload", default="gpt", help="built-in workload (default: gpt)")
+    bench.add_argument("--workload", help="built-in workload (default: gpt)")
     bench.add_argument(
         "--size",
         help="small (milliseconds a step), medium (where memory matters, a fraction of a second "
@@ -184,7 +184,7 @@ def _refuse_unused(args: argparse.Namespace) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench.strategies import STRATEGIES, get_strategy
-    from .workloads import WORKLOAD_NAMES, get_workload
+    from .workloads import SIZES, WORKLOAD_NAMES, _unknown, get_workload
 
     # The options given other than as their defaults, before the defaults that depend on the
     # run are filled in.
@@ -193,6 +193,9 @@ def _bench(args: argparse.Namespace) -> int:
     mode = " --offload" if args.offload else " --pipeline" if args.pipeline else ""
     if args.size is None:
         args.size = "small" if mode else "medium"
+    if args.size not in SIZES:  # before a mode's child process would fail on it
+        raise _unknown("size", args.size, SIZES)
+    args.workload = args.workload or "gpt"  # given or not: "workload" in args.given
     if args.rounds < 1:
         raise RematError(f"remat bench{mode}: --rounds must be at least 1, got {args.rounds}.")
     if args.processes < 1:
@@ -343,7 +346,7 @@ def _print_planning(result: Any) -> None:
 def _pipeline(args: argparse.Namespace) -> int:
     from .bench import pipeline, report
 
-    if args.workload not in ("gpt", "unet") or args.hf is not None:
+    if ("workload" in args.given and args.workload != "unet") or args.hf is not None:
         raise RematError(
             "remat bench --pipeline: measures the unet workload (skip connections across "
             f"stages); drop {'--workload ' + args.workload if args.hf is None else '--hf'}."
@@ -709,7 +712,7 @@ def _autocast_dtype(args: argparse.Namespace) -> torch.dtype | None:
 def _solve_time(args: argparse.Namespace) -> int:
     from .bench import report, solve_time
 
-    if args.workload != "gpt" or args.hf is not None or args.strategies or args.budgets:
+    if "workload" in args.given or args.hf is not None or args.strategies or args.budgets:
         raise RematError(
             "remat bench --solve-time: plans a 48-layer gpt at 25% and takes no workload, "
             "strategies or budgets; drop --workload/--hf/--strategies/--budgets."
@@ -730,7 +733,7 @@ def _offload(args: argparse.Namespace) -> int:
 
     from .bench import offload, report
 
-    if args.workload != "gpt" or args.hf is not None:
+    if ("workload" in args.given and args.workload != "gpt") or args.hf is not None:
         raise RematError("remat bench --offload: measures the gpt workload; drop --workload/--hf.")
     _refuse_unused(args)
     json_path = args.json or Path("bench-out") / f"offload-gpt-{args.size}.json"
