@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import remat
 from remat.bench.offload_model import gpt_modules
 from remat.errors import RematError
 from remat.offload_model import OffloadModel
@@ -261,6 +262,58 @@ def test_buffers_written_once_and_equal(tmp_path: Path) -> None:
     state = model.state_dict()
     for name, value in plain.state_dict().items():
         assert torch.equal(state[name], value), name
+
+
+def norm_dropout_modules() -> list[nn.Module]:
+    torch.manual_seed(5)
+    return [nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 3)]
+
+
+@pytest.mark.parametrize("offload_device", ["cpu", "disk"])
+@pytest.mark.parametrize("checkpoint_activation", [True, False])
+def test_eval_between_forward_and_backward_changes_nothing(
+    offload_device: str, checkpoint_activation: bool, tmp_path: Path
+) -> None:
+    """Reference: the plain modules, ``model.eval()`` between forward and backward. The
+    recompute runs BatchNorm and Dropout in the mode the forward pass ran them in (as the
+    region engine's does, docs/exactness.md guarantee 7), then leaves the modules in eval."""
+    plain = nn.Sequential(*norm_dropout_modules())
+    model = offload(
+        norm_dropout_modules(),
+        tmp_path,
+        offload_device=offload_device,
+        num_slices=2,
+        checkpoint_activation=checkpoint_activation,
+    )
+    x = torch.randn(6, 4)
+    for m in (plain, model):
+        torch.manual_seed(1)
+        loss = m(x).square().mean()
+        m.eval()
+        loss.backward()
+    assert_grads_equal(plain, model)
+    assert not any(m.training for m in model.modules())
+    state = model.state_dict()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+def test_eval_flags_come_back_when_the_recompute_raises(tmp_path: Path) -> None:
+    """A recompute that raises leaves the modules in the mode backward found them in."""
+
+    class FailsInRecompute(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if remat.is_recomputing():
+                raise ValueError("recompute failed")
+            return x
+
+    modules = [nn.Linear(4, 4), nn.Dropout(0.5), FailsInRecompute(), nn.Linear(4, 2)]
+    model = offload(modules, tmp_path, num_slices=1, checkpoint_activation=True)
+    loss = model(torch.randn(3, 4)).sum()
+    model.eval()
+    with pytest.raises(ValueError, match="recompute failed"):
+        loss.backward()
+    assert not any(m.training for m in model.modules())
 
 
 # -- the streamed optimizer ------------------------------------------------------------------
@@ -577,6 +630,93 @@ def test_retain_graph_backward_twice(tmp_path: Path) -> None:
         loss.backward()
 
 
+def norm_modules() -> list[nn.Module]:
+    torch.manual_seed(5)
+    return [nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)]
+
+
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("offload_device", ["cpu", "disk"])
+@pytest.mark.parametrize("checkpoint_activation", [True, False])
+def test_written_between_forward_and_backward_raises(
+    offload_device: str, checkpoint_activation: bool, tmp_path: Path
+) -> None:
+    """Plain autograd raises ("modified by an inplace operation") for a parameter or buffer
+    written in place between forward and backward; so does OffloadModel, naming it, for every
+    offload device and checkpoint_activation, where backward would read the new value with
+    the activations of the old (NOTE [ Written between forward and backward ])."""
+    model = offload(
+        norm_modules(),
+        tmp_path,
+        offload_device=offload_device,
+        num_slices=2,
+        checkpoint_activation=checkpoint_activation,
+    ).eval()
+    model.configure_optimizer(sgd)
+    assert model.slice_ranges == (range(0, 1), range(1, 4))
+    x = torch.randn(6, 4)
+    model(x).square().mean().backward()
+
+    loss = model(x).square().mean()
+    model.step()  # an optimizer step before backward writes every parameter
+    written = r"parameter '1\.weight' \(version \d+, now \d+\), parameter '1\.bias'"
+    with pytest.raises(RematError, match=rf"slice 1 .* found 4 .*: {written}"):
+        loss.backward()
+
+    loss = model(x).square().mean()
+    with torch.no_grad():
+        model.module[1].running_var.mul_(4.0)  # buffers are host tensors on either device
+    with pytest.raises(RematError, match=r"slice 1 .* found 1 .*: buffer '1\.running_var' \("):
+        loss.backward()
+    if offload_device == "cpu":
+        loss = model(x).square().mean()
+        with torch.no_grad():
+            model.module[0].weight.clamp_(-0.1, 0.1)
+        with pytest.raises(RematError, match=r"slice 0 .* found 1 .*: parameter '0\.weight' \("):
+            loss.backward()
+
+
+@pytest.mark.parametrize("offload_device", ["cpu", "disk"])
+@pytest.mark.parametrize("checkpoint_activation", [True, False])
+def test_training_loop_with_batchnorm_writes_nothing_it_checks(
+    offload_device: str, checkpoint_activation: bool, tmp_path: Path
+) -> None:
+    """Reference: the plain modules with SGD. The writes of a training step are not writes
+    between forward and backward: BatchNorm's running statistics moved by the forward pass
+    and by a training-mode forward under no_grad before backward, a second backward of a
+    retained graph, ``step()`` after backward. Gradients and state equal plain's."""
+    plain = nn.Sequential(*norm_modules())
+    optimizer = sgd(list(plain.parameters()))
+    model = offload(
+        norm_modules(),
+        tmp_path,
+        offload_device=offload_device,
+        num_slices=2,
+        checkpoint_activation=checkpoint_activation,
+    )
+    model.configure_optimizer(sgd)
+    for step in range(2):
+        x, other = torch.randn(6, 4), torch.randn(5, 4)
+        for m in (plain, model):
+            loss = m(x).square().mean()
+            with torch.no_grad():
+                m(other)
+            loss.backward(retain_graph=checkpoint_activation)
+            if checkpoint_activation:
+                loss.backward()
+        assert_grads_equal(plain, model)
+        optimizer.step()
+        model.step()
+        optimizer.zero_grad()
+        model.zero_grad()
+        state = model.state_dict()
+        for name, value in plain.state_dict().items():
+            assert torch.equal(state[name], value), f"{name}, step {step}"
+
+
 def test_create_graph_is_refused(tmp_path: Path) -> None:
     model = offload([nn.Linear(3, 3), nn.Tanh()], tmp_path, num_slices=2)
     x = torch.randn(2, 3, requires_grad=True)
@@ -796,6 +936,42 @@ def test_bad_uses(tmp_path: Path) -> None:
     other.weight = tied.weight
     with pytest.raises(RematError, match=r"1 shared across slices: 2\.weight \(slices 0 and 1\)"):
         offload([tied, nn.Tanh(), other], tmp_path, num_slices=2)
+
+
+@pytest.mark.parametrize("offload_device", ["cpu", "disk"])
+@pytest.mark.parametrize("checkpoint_activation", [True, False])
+def test_a_module_repeated_in_the_sequence(
+    offload_device: str, checkpoint_activation: bool, tmp_path: Path
+) -> None:
+    """Reference: the plain ``nn.Sequential`` holding one Linear twice. Repeated inside one
+    slice, it trains as the plain model, bit for bit, with the plain model's state-dict keys;
+    repeated across slices, its parameters are shared across slices, which is refused."""
+    torch.manual_seed(0)
+    twice = nn.Linear(4, 4)
+    layers = nn.Sequential(nn.Linear(4, 4), twice, nn.Tanh(), twice, nn.Linear(4, 2))
+    plain = copy.deepcopy(layers)
+    model = offload(
+        copy.deepcopy(layers),
+        tmp_path,
+        offload_device=offload_device,
+        num_slices=2,
+        checkpoint_activation=checkpoint_activation,
+    )
+    assert model.slice_ranges == (range(0, 1), range(1, 5))
+    x = torch.randn(6, 4)
+    assert torch.equal(model(x), plain(x))
+    plain(x).square().sum().backward()
+    model(x).square().sum().backward()
+    assert_grads_equal(plain, model)
+    state = model.state_dict()
+    assert list(state) == list(plain.state_dict())
+    for name, value in plain.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    with pytest.raises(RematError, match=r"2 shared across slices: 2\.weight \(slices 0 and 1\)"):
+        offload([lin, nn.ReLU(), lin], tmp_path, offload_device=offload_device, num_slices=2)
 
 
 def test_disk_tier_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:

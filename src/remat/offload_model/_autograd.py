@@ -44,6 +44,8 @@ the parameter in the graph; ``loss.backward()`` and backwards over inputs are un
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,7 @@ from ..errors import RematError
 from ._slices import Slice
 from ._stand_ins import internal
 from ._stored import Place, Stored
+from ._written import Versions, buffer_versions, written_since
 
 __all__: list[str] = []
 
@@ -124,6 +127,9 @@ class Pass:
         self.kept: list[list[_Kept] | None] = [[] for _ in range(n)]
         self.rows: list[list[int]] = [[] for _ in range(n)]
         self.pending: dict[int, tuple[Stored | None, list[int]]] = {}
+        # Per slice, its parameters and buffers as its forward pass left them: NOTE [ Written
+        # between forward and backward ] in _written.py.
+        self.versions: list[Versions | None] = [None] * n
         self.dummy = torch.empty(0, requires_grad=True)
 
     def release(self) -> None:
@@ -131,6 +137,7 @@ class Pass:
         self.inputs = [[] for _ in self.slices]
         self.ambients = [[] for _ in self.slices]
         self.kept = [None for _ in self.slices]
+        self.versions = [None for _ in self.slices]
         self.drop_pending()
 
     def drop_pending(self) -> None:
@@ -150,12 +157,15 @@ class Pass:
         chunks = x.tensor_split(self.microbatches) if self.microbatches > 1 else (x,)
         outs = []
         with sl.on(self.device):
+            buffers = buffer_versions(sl)
             for xm in chunks:
                 if self.keep:
                     out = self._forward_kept(sl, xm, input_grad)
                 else:
                     out = self._forward_recomputed(sl, xm, input_grad)
                 outs.append(out)
+            written = written_since(sl, buffers)
+        self.versions[index] = Versions(sl, written)  # at rest: see [ Written between ... ] 1
         self.rows[index] = [o.shape[0] if o.dim() else 1 for o in outs]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -246,6 +256,9 @@ class Pass:
             # Nothing of this slice is asked for: no need to bring it in and rerun it.
             self.free_kept(index)
             return None
+        versions = self.versions[index]
+        if versions is not None:
+            versions.check(sl)
         if index > 0:
             self.slices[index - 1].prefetch(self.device)
         with sl.on(self.device):
@@ -298,7 +311,13 @@ class Pass:
         drawn = set_generators(explicit) if explicit else None
         try:
             try:
-                with torch.enable_grad(), _state.recomputing(), ambient.replay(), guard:
+                with (
+                    torch.enable_grad(),
+                    _state.recomputing(),
+                    ambient.replay(),
+                    guard,
+                    state.modes(),
+                ):
                     out = checked(sl.run(xm), sl, self.microbatches)
             finally:
                 if drawn is not None:
@@ -352,9 +371,13 @@ class Pass:
 class _State:
     """The buffers of a slice as one micro-batch's forward pass found them, for its recompute
     to start from: NOTE [ State read, then written ] in ``_guard.py``. Buffers are named by
-    module and key, since loading a slice to another device replaces them."""
+    module and key, since loading a slice to another device replaces them. Also the modules'
+    ``training`` flags, so that ``model.eval()`` between forward and backward does not change
+    Dropout or BatchNorm in the recompute (as for the region engine: NOTE [ A recompute reads
+    what its forward pass read ] 3 in ``_reads.py``)."""
 
     def __init__(self, sl: Slice) -> None:
+        self.flags = [(m, m.training) for module in sl.modules for m in module.modules()]
         self.names = [
             (owner, name)
             for module in sl.modules
@@ -377,6 +400,19 @@ class _State:
         tensors = self.tensors()
         pairs = zip(tensors, self.versions, strict=True)
         self.written = [i for i, (t, v) in enumerate(pairs) if t._version != v]
+
+    @contextmanager
+    def modes(self) -> Iterator[None]:
+        """The forward pass's ``training`` flags for the block; the live ones after it, also
+        when it raises."""
+        live = [m.training for m, _ in self.flags]
+        try:
+            for m, training in self.flags:
+                m.training = training
+            yield
+        finally:
+            for (m, _), training in zip(self.flags, live, strict=True):
+                m.training = training
 
     def replay(self, generators: GeneratorStates) -> tuple[WriteGuard, Undo | None]:
         """The guard for the recompute and, with a snapshot, the undo that puts the live

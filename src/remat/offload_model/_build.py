@@ -124,7 +124,9 @@ def _make_slices(
     # Each parameter belongs to the first module that holds it; sharing across slices is refused.
     owner: dict[int, int] = {}
     params_of: list[list[tuple[str, nn.Parameter]]] = []
-    prefixes = [name for name, _ in sequential.named_children()]
+    # Every position's name, a module repeated included (``named_children`` lists it once),
+    # so that ``prefixes[i]`` names ``modules[i]``.
+    prefixes = list(sequential._modules)
     for i, module in enumerate(modules):
         found = []
         for name, p in module.named_parameters():
@@ -157,6 +159,7 @@ def _make_slices(
                     s,
                     [modules[i] for i in span],
                     span,
+                    [prefixes[i] for i in span],
                     [n for n, _ in named],
                     [p for _, p in named],
                     place,

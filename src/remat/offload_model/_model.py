@@ -46,9 +46,11 @@ NOTE [ OffloadModel design ]
            chunks = [run modules r on c for c in chunks]
        out = torch.cat(chunks)
 
-   With one micro-batch this is the plain model. The one case where the sums differ is a
-   parameter used more than once inside one slice with several micro-batches (autograd then
-   interleaves the uses of all micro-batches in one sum).
+   With one micro-batch this is the plain model. The sums differ in two cases: a parameter
+   used more than once inside one slice with several micro-batches (autograd then
+   interleaves the uses of all micro-batches in one sum), and several forward passes into one
+   backward onto gradients already there (each pass's slice adds its sum to the stored
+   gradient, ``(old + g_a) + g_b``, where autograd adds ``old + (g_a + g_b)``).
 7. Optimizer. ``configure_optimizer(factory)`` makes one optimizer per slice over the slice's
    trainable parameters. ``step()`` brings each slice's parameters, gradients and optimizer
    state in, steps, and stores the results as new copies. Element-wise optimizers (SGD, Adam,
@@ -69,14 +71,18 @@ For slice ``s`` of ``S``, ``M`` micro-batches, ``checkpoint_activation=True``:
 
 1. forward, ``_SliceFunction.forward``: slice ``s+1``'s parameters start coming in (prefetch);
    ``s``'s parameters come to the compute device.
-2. for each micro-batch ``m``: its input goes to the offload device; the ambient state is
-   captured; the slice runs; its output stays on the compute device for slice ``s+1``.
-3. the parameters are let go (nothing is written: they did not change); the outputs of all
-   micro-batches, concatenated, go on to slice ``s+1``.
-4. backward, ``_SliceFunction.backward`` with the gradient of that output: ``s``'s
-   parameters come in, ``s-1``'s start coming in.
+2. for each micro-batch ``m``: its input goes to the offload device; the ambient state, the
+   buffers and the modules' ``training`` flags are captured; the slice runs; its output stays
+   on the compute device for slice ``s+1``.
+3. the parameters are let go (nothing is written: they did not change); the versions of the
+   parameters and buffers at rest are noted (NOTE [ Written between forward and backward ] in
+   ``_written.py``); the outputs of all micro-batches, concatenated, go on to slice ``s+1``.
+4. backward, ``_SliceFunction.backward`` with the gradient of that output: the versions are
+   compared (a parameter or buffer written since raises); ``s``'s parameters come in,
+   ``s-1``'s start coming in.
 5. for ``m = M-1 .. 0``: the input of ``m`` comes back, the slice reruns under the captured
-   state and is differentiated; parameter gradients are summed; the input's gradient is kept.
+   state and flags (the live flags come back after) and is differentiated; parameter
+   gradients are summed; the input's gradient is kept.
 6. ``old + sum`` is stored as a new copy (pending); parameters are let go; the concatenated
    input gradients go on to slice ``s-1``.
 7. after slice 0: every write is waited for, then all pending gradients replace the old ones.

@@ -65,6 +65,7 @@ class Slice:
         index: int,
         modules: list[nn.Module],
         span: range,
+        prefixes: list[str],
         names: list[str],
         params: list[nn.Parameter],
         place: Place,
@@ -72,6 +73,7 @@ class Slice:
         self.index = index
         self.modules = modules
         self.span = span
+        self.prefixes = prefixes  # the modules' names in the wrapped nn.Sequential
         self.names = names
         self.params = params
         self.place = place
@@ -118,6 +120,17 @@ class Slice:
                 park(p)
         self._move_buffers(torch.device("cpu"))
         self.loaded = False
+
+    def named_buffers(self) -> list[tuple[str, nn.Module, str]]:
+        """``(name in the wrapped model, owning module, key)`` of each buffer the slice's
+        modules hold now, once each (a module repeated in the slice is listed once)."""
+        found: dict[tuple[int, str], tuple[str, nn.Module, str]] = {}
+        for prefix, module in zip(self.prefixes, self.modules, strict=True):
+            for path, owner in module.named_modules(prefix=prefix):
+                for key, b in owner._buffers.items():
+                    if b is not None:
+                        found.setdefault((id(owner), key), (f"{path}.{key}", owner, key))
+        return list(found.values())
 
     def _move_buffers(self, device: torch.device) -> None:
         for module in self.modules:
