@@ -13,7 +13,9 @@ off, except in the dropout test, whose reference also runs in clock order.
 from __future__ import annotations
 
 import copy
+import functools
 from collections import OrderedDict
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -255,6 +257,65 @@ def test_tuple_input_and_output() -> None:
     assert torch.equal(out[1], torch.cat([e[1] for e in expected]))
 
 
+class Returns(nn.Module):
+    """Returns what ``make(x)`` builds: a dict, a tuple holding None, a scalar, a list."""
+
+    def __init__(self, make: Callable[[torch.Tensor], object]) -> None:
+        super().__init__()
+        self.make = make
+
+    def forward(self, x: torch.Tensor) -> object:
+        return self.make(x)
+
+
+def test_values_other_than_tensors_between_partitions_name_the_layer() -> None:
+    """A dict, or a tuple holding None, at a partition boundary raised AttributeError ('str'
+    object has no attribute 'device') from inside remat.pipe; a last layer returning a 0-dim
+    tensor raised torch's RuntimeError from the concatenation. Now a RematError names the
+    partition, its last layer and what may pass. A list of tensors still passes, as a tuple."""
+    x = torch.randn(4, 3)
+    cases: list[tuple[nn.Sequential, str]] = [
+        (
+            nn.Sequential(Returns(lambda x: {"h": x}), nn.Identity()),
+            r"partition 0, whose last layer is '0' \(Returns\), returned dict, but a Pipe "
+            r"passes between partitions.*only a tensor or a non-empty tuple of tensors",
+        ),
+        (
+            nn.Sequential(Returns(lambda x: (x, None)), nn.Identity()),
+            r"'0' \(Returns\), returned tuple of \(Tensor, NoneType\)",
+        ),
+        (
+            nn.Sequential(nn.Identity(), Returns(lambda x: (x, x.sum()))),
+            r"partition 1, whose last layer is '1' \(Returns\), returned a 0-dim tensor as "
+            r"output 1 of its tuple.*unsqueeze",
+        ),
+    ]
+    for model, match in cases:
+        for chunks in (1, 2):
+            pipe = Pipe(model, [1, 1], devices=["cpu", "cpu"], chunks=chunks)
+            with pytest.raises(remat.RematError, match=match):
+                pipe(x)
+    pipe = Pipe(nn.Sequential(Returns(lambda x: [x, 2 * x]), nn.Identity()), [1, 1], chunks=2)
+    out = pipe(x)
+    assert isinstance(out, tuple) and torch.equal(out[1], 2 * x)
+
+
+@pytest.mark.parametrize(
+    ("x", "match"),
+    [
+        (torch.randn(0, 4), r"empty batch \(0 rows.*chunks=1.*at least 1 row\."),
+        (torch.tensor(3.0), r"the input is a 0-dim tensor.*unsqueeze\(0\)"),
+        ((torch.randn(2, 4), torch.tensor(1.0)), r"input tensor 1 is a 0-dim tensor"),
+    ],
+)
+def test_empty_batch_and_scalar_input_say_what_to_do(x: object, match: str) -> None:
+    """Both said "Use chunks <= 0 or a larger batch", a value chunks cannot take."""
+    pipe = Pipe(nn.Sequential(nn.Identity()), [1], chunks=1)
+    with pytest.raises(remat.RematError, match=match) as info:
+        pipe(x)  # type: ignore[arg-type]
+    assert "chunks <= 0" not in str(info.value)
+
+
 def test_deferred_batch_norm_updates_running_stats_once_per_minibatch() -> None:
     """Outputs and grads: bit-equal to the plain model (nn.BatchNorm2d) run micro-batch by
     micro-batch, since both normalise each micro-batch with its own statistics. Running
@@ -453,6 +514,47 @@ def test_deferred_batch_norm_one_micro_batch_equals_batch_norm_bit_for_bit(
         torch.testing.assert_close(deferred(x), plain(x), rtol=0, atol=0)
         assert torch.equal(deferred.running_mean, plain.running_mean), step
         assert torch.equal(deferred.running_var, plain.running_var), step
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("how", ["pipe", "remat.checkpoint"])
+def test_deferred_batch_norm_one_micro_batch_recomputes_as_forward(
+    how: str, momentum: float | None
+) -> None:
+    """chunks=1 and checkpointing: the recompute called F.batch_norm without the running
+    statistics, so ATen saved other tensors and backward raised a CheckpointError. Now outputs,
+    gradients, running statistics and num_batches_tracked equal a plain BatchNorm's, two
+    steps, torch.equal (the engine puts back what the recompute writes)."""
+
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.BatchNorm2d(4, momentum=momentum),
+            nn.ReLU(),
+            nn.Conv2d(4, 2, 1),
+        )
+
+    plain = make()
+    if how == "pipe":
+        model: nn.Module = Pipe(
+            make(), [2, 2], chunks=1, checkpoint="always", deferred_batch_norm=True
+        )
+        run: Callable[[torch.Tensor], torch.Tensor] = model
+    else:
+        model = DeferredBatchNorm.convert_deferred_batch_norm(make(), chunks=1)
+        run = functools.partial(remat.checkpoint, model)
+    for step in range(2):
+        x = torch.randn(8, 3, 5, 5, generator=torch.Generator().manual_seed(step))
+        out = run(x)
+        ref = plain(x)
+        assert torch.equal(out, ref), step
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), (step, name)  # type: ignore[arg-type]
+        for (name, a), b in zip(plain.named_buffers(), model.buffers(), strict=True):
+            assert torch.equal(a, b), (step, name)
 
 
 @pytest.mark.parametrize("seed", range(4))

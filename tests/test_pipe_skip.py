@@ -293,6 +293,92 @@ def test_stash_before_a_micro_batch_that_needs_no_grad_recomputes_as_forward(
 
 
 @skippable(stash=["s"])
+class StashEmbedding(nn.Module):
+    """Stashes the embedding of token ids and passes the ids (an integer tensor) on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+
+    def forward(self, ids: torch.Tensor) -> Iterator[Any]:
+        yield stash("s", self.embedding(ids))
+        return ids
+
+
+class Ones(nn.Module):
+    """A tensor of its input's shape without autograd history (queries of a decoder, say)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(x)
+
+
+@skippable(pop=["s"])
+class PopEmbedding(nn.Module):
+    """Pops s and adds its own embedding of the ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+
+    def forward(self, ids: torch.Tensor) -> Iterator[Any]:
+        s = yield pop("s")
+        return s + self.embedding(ids)
+
+
+@skippable(pop=["s"])
+class PopScale(nn.Module):
+    """Pops s and multiplies it by lin(x); lin and mul save tensors, so recomputes pop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Iterator[Any]:
+        s = yield pop("s")
+        return self.linear(x) * s
+
+
+def main_path_without_grad(kind: str) -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if kind == "integer":  # token ids all the way from the stash to the pop
+        ids = torch.randint(0, 10, (4, 3), generator=g)
+        layers: list[nn.Module] = [StashEmbedding(), nn.Identity(), PopEmbedding()]
+        return nn.Sequential(*layers, nn.Linear(4, 2)), ids
+    if kind == "integer, then float":  # ids at the stash, an embedding with grad at the pop
+        ids = torch.randint(0, 10, (4, 3), generator=g)
+        layers = [StashEmbedding(), nn.Embedding(10, 4), PopAdd()]
+        return nn.Sequential(*layers, nn.Linear(4, 2)), ids
+    # "no history": the micro-batch loses its graph between the stash and the pop.
+    x = torch.randn(4, 4, generator=g)
+    return nn.Sequential(StashBranch(), Ones(), PopScale(), nn.Linear(4, 2)), x
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+@pytest.mark.parametrize("balance", [[2, 2], [1, 3], [1, 1, 2], [3, 1]])
+@pytest.mark.parametrize("kind", ["integer", "integer, then float", "no history"])
+def test_skip_gradient_crosses_partitions_when_the_micro_batch_carries_none(
+    kind: str, balance: list[int], mode: str
+) -> None:
+    """The micro-batch between stash and pop is an integer tensor or has no autograd history,
+    so a phony forked from it or joined to it leads nowhere: the stashed tensor's gradient was
+    dropped, with no error (its layer's weight.grad stayed None). The skips' phony now carries
+    PortalBlue's dependency to the pop (NOTE [ The skips' phony ]): outputs and every gradient
+    equal the plain model's on the same micro-batches, torch.equal."""
+    model, inputs = main_path_without_grad(kind)
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, balance=balance, devices=["cpu"] * len(balance), chunks=2, checkpoint=mode)  # type: ignore[arg-type]
+    out_ref = torch.cat([ref(piece) for piece in inputs.tensor_split(2)])
+    out_pipe = pipe(inputs)
+    out_ref.square().sum().backward()
+    out_pipe.square().sum().backward()
+    assert torch.equal(out_ref, out_pipe)
+    for (name, p), q in zip(ref.named_parameters(), pipe.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        assert torch.equal(p.grad, q.grad), name
+
+
+@skippable(stash=["s"])
 class StashTanh(nn.Module):
     """Stashes s = tanh(x): tanh saves its output, so s's grad_fn leads to the region."""
 
@@ -399,6 +485,53 @@ def test_namespaces_let_levels_reuse_a_name() -> None:
     assert torch.equal(model(x), 7 * x)
     pipe = Pipe(model, balance=[1, 1, 1, 1], devices=["cpu"] * 4, chunks=2)
     assert torch.equal(pipe(x), 7 * x)
+
+
+def residual_block() -> nn.Sequential:
+    """A residual block built from skippables: Down stashes x and returns 2x, Up adds x."""
+    return nn.Sequential(Down(), nn.Linear(1, 1), Up())
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+@pytest.mark.parametrize("balance", [[1, 2], [2, 1], [1, 1, 1]])
+def test_stash_and_pop_nested_in_one_layer_stay_in_it(balance: list[int], mode: str) -> None:
+    """Two blocks whose stash and pop are nested in one layer, both in the default namespace:
+    verify_skippables passed, the Pipe was built, and the first forward failed with a bare
+    KeyError in SkipLayout.requires_portal. Such a skip needs no portal; outputs and gradients
+    equal the plain model's, torch.equal."""
+    torch.manual_seed(0)
+    model = nn.Sequential(residual_block(), nn.Linear(1, 1), residual_block())
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, balance=balance, devices=["cpu"] * len(balance), chunks=2, checkpoint=mode)  # type: ignore[arg-type]
+    x = torch.randn(4, 1)
+    out_ref = torch.cat([ref(piece) for piece in x.tensor_split(2)])
+    out_pipe = pipe(x)
+    out_ref.square().sum().backward()
+    out_pipe.square().sum().backward()
+    assert torch.equal(out_ref, out_pipe)
+    for (name, p), q in zip(ref.named_parameters(), pipe.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name  # type: ignore[arg-type]
+
+
+def test_stash_and_pop_nested_in_different_layers_are_refused_at_construction() -> None:
+    """A nested stash whose pop sits in another layer: the Pipe has no partition for it (a
+    bare KeyError at the first forward); now the Pipe refuses it when built, naming both."""
+    model = nn.Sequential(nn.Sequential(Down(), nn.ReLU()), nn.Linear(1, 1), nn.Sequential(Up()))
+    model(torch.ones(2, 1))  # runs plainly
+    with pytest.raises(remat.RematError, match=r"\(2 problems\)") as info:
+        Pipe(model, balance=[1, 2], devices=["cpu"] * 2, chunks=1)
+    message = str(info.value)
+    assert "'skip' is stashed by Down at 0.0, nested in layer 0 (Sequential), but not popped" in (
+        message
+    )
+    assert "'skip' is popped by Up at 2.0, nested in layer 2 (Sequential), but not stashed" in (
+        message
+    )
+    assert "make 0.0 a layer of the nn.Sequential itself" in message
+    # The same name used by a pair inside a layer and by top-level layers around it.
+    model = nn.Sequential(Down(), residual_block(), Up())
+    with pytest.raises(remat.RematError, match=r"inside layer 1 \(Sequential\), and also by"):
+        verify_skippables(model)
 
 
 def test_verify_skippables_reports_every_problem_at_once() -> None:

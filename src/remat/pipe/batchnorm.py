@@ -153,18 +153,22 @@ class DeferredBatchNorm(_BatchNorm):
         # Each micro-batch is normalised by its own statistics, as the plain model's would be.
         stats: tuple[Tensor | None, Tensor | None] = (None, None)
         momentum = 0.0
-        # A recompute updates nothing; a meta-device run (pipeline_stage's shapes) has no values.
-        if not is_recomputing() and not input.is_meta:
-            if self.chunks == 1:
-                # One micro-batch is the whole mini-batch: ATen updates the statistics, as a
-                # plain BatchNorm does, bit for bit on every layout and device (NOTE [ Deferred
-                # statistics ] reproduces one CPU kernel only).
-                self.num_batches_tracked += 1
-                tracked = float(self.num_batches_tracked)
-                momentum = 1.0 / tracked if self.momentum is None else self.momentum
-                stats = running
-            elif self._track(input):
-                self._commit()
+        # A meta-device run (pipeline_stage's shapes) has no values to track.
+        if input.is_meta:
+            pass
+        elif self.chunks == 1:
+            # One micro-batch is the whole mini-batch: ATen updates the statistics, as a plain
+            # BatchNorm does, bit for bit on every layout and device (NOTE [ Deferred
+            # statistics ] reproduces one CPU kernel only). A recompute makes the same call, so
+            # that ATen saves the same tensors for backward as in forward; remat's region engine
+            # puts back what the recompute writes (NOTE [ Writes undone ] in remat/_guard.py).
+            self.num_batches_tracked += 1
+            tracked = float(self.num_batches_tracked)
+            momentum = 1.0 / tracked if self.momentum is None else self.momentum
+            stats = running
+        elif not is_recomputing() and self._track(input):
+            # The sums live in a Python list, out of the engine's reach: a recompute adds none.
+            self._commit()
         return F.batch_norm(input, *stats, self.weight, self.bias, True, momentum, self.eps)
 
     @classmethod

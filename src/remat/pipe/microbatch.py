@@ -86,16 +86,50 @@ def check_input(input: object, where: str) -> TensorOrTensors:
     )
 
 
+def check_output(output: object, where: str) -> TensorOrTensors:
+    """A task's output as a micro-batch for the next partition (a list becomes a tuple, as it
+    always did), or a :class:`RematError` naming ``where`` and what may pass."""
+    values = list(output) if isinstance(output, (tuple, list)) else None
+    if isinstance(output, Tensor):
+        return output
+    if values and all(isinstance(t, Tensor) for t in values):
+        return tuple(values)
+    found = type(output).__name__
+    if values is not None:
+        found = f"{found} of ({', '.join(type(t).__name__ for t in values)})"
+    raise RematError(
+        f"remat: {where} returned {found}, but a Pipe passes between partitions, and returns, "
+        "only a tensor or a non-empty tuple of tensors (no None, dict or other values). Return "
+        "the tensors as a tuple, choose balance so that the layers that pass other values sit "
+        "in one partition, or pass such values as skips or attributes of the layers."
+    )
+
+
 def scatter(input: TensorOrTensors, chunks: int, where: str = "Pipe") -> list[Batch]:
     """``chunks`` micro-batches of ``input`` along dimension 0 (``torch.tensor_split``)."""
     tensors = (input,) if isinstance(input, Tensor) else input
-    rows = {t.shape[0] if t.dim() else 0 for t in tensors}
+    scalars = [k for k, t in enumerate(tensors) if t.dim() == 0]
+    if scalars:
+        which = "the input" if isinstance(input, Tensor) else f"input tensor {scalars[0]}"
+        raise RematError(
+            f"remat: {where} splits its input into micro-batches along dimension 0, but "
+            f"{which} is a 0-dim tensor (a scalar), which has no dimension 0. Give it a batch "
+            "dimension (x.unsqueeze(0) for one row, or x.expand(batch_size) to repeat it per "
+            "row), or pass it to the layers through an attribute."
+        )
+    rows = {t.shape[0] for t in tensors}
     if len(rows) != 1:
         raise RematError(
             f"remat: {where} splits every input tensor along dimension 0, but they have "
             f"different sizes there: {sorted(rows)}. Give them the same batch size."
         )
     (batch_size,) = rows
+    if batch_size == 0:
+        raise RematError(
+            f"remat: {where} got an empty batch (0 rows along dimension 0); it splits the batch "
+            f"into chunks={chunks} micro-batches of at least one row each, so it needs at least "
+            f"{chunks} row{'s' if chunks > 1 else ''}. Skip empty batches before calling it."
+        )
     if chunks > batch_size:
         raise RematError(
             f"remat: {where} has chunks={chunks} but the batch has {batch_size} rows; each "
@@ -107,8 +141,24 @@ def scatter(input: TensorOrTensors, chunks: int, where: str = "Pipe") -> list[Ba
     return [Batch(tuple(p[i] for p in pieces)) for i in range(chunks)]
 
 
-def gather(outputs: list[Batch]) -> TensorOrTensors:
+def gather(outputs: list[Batch], where: str = "the last layer") -> TensorOrTensors:
     """The micro-batch outputs joined along dimension 0."""
+    shapes = {(b.atomic, len(b)) for b in outputs}
+    if len(shapes) != 1:
+        raise RematError(
+            f"remat: {where} returned a different number of tensors for different "
+            f"micro-batches ({sorted(len(b) for b in outputs)}); a Pipe joins the micro-batch "
+            "outputs tensor by tensor, so every micro-batch must return the same structure."
+        )
+    for k, t in enumerate(outputs[0]):
+        if t.dim() == 0:
+            which = "its output" if outputs[0].atomic else f"output {k} of its tuple"
+            raise RematError(
+                f"remat: {where} returned a 0-dim tensor as {which}; a Pipe joins the "
+                "micro-batch outputs along dimension 0, which a scalar does not have. Return "
+                "it with a batch dimension (x.unsqueeze(0): one value per micro-batch), or "
+                "compute it from the Pipe's output instead."
+            )
     if outputs[0].atomic:
         return torch.cat([b[0] for b in outputs])
     width = len(outputs[0])

@@ -185,7 +185,7 @@ class Pipe(nn.Module):
         checkpointing = self.training and torch.is_grad_enabled() and not _state.state.disabled
         stop = checkpoint_stop(self.checkpoint, self.chunks) if checkpointing else 0
         self._pipeline.run(batches, stop)
-        return gather(batches)
+        return gather(batches, self._pipeline.where(len(self.partitions) - 1))
 
 
 def _accept_torchgpipe_names(

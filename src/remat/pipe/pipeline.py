@@ -52,7 +52,7 @@ from torch import nn
 
 from ..checkpoint import RegionOptions, run_region
 from .dependency import depend
-from .microbatch import Batch, TensorOrTensors
+from .microbatch import Batch, TensorOrTensors, check_output
 from .skip.layout import Key, SkipLayout
 from .skip.portal import Portal
 from .skip.tracker import SkipTrackerThroughPortals, use_skip_tracker
@@ -78,19 +78,26 @@ def run_partition(
     partition: nn.Sequential,
     tracker: SkipTrackerThroughPortals,
     atomic: bool,
+    width: int,
     *inputs: torch.Tensor,
-) -> TensorOrTensors:
+) -> tuple[TensorOrTensors, torch.Tensor | None]:
     """One task's work, the same in forward and in the recompute: the partition under the
-    task's skip tracker."""
+    task's skip tracker. ``inputs``: the micro-batch's ``width`` tensors, then the skips'
+    phony if it has one (NOTE [ The skips' phony ] in ``skip/tracker.py``); returns the
+    partition's output and the skips' phony for the next task."""
+    values = inputs[:width]
+    tracker.phony = inputs[width] if len(inputs) > width else None
     try:
         with use_skip_tracker(tracker):
-            out: TensorOrTensors = partition(inputs[0] if atomic else inputs)
+            out: TensorOrTensors = partition(values[0] if atomic else values)
+        return out, tracker.phony
     finally:
         # Skips stashed and popped inside the partition are popped by now, unless the run
         # raised or a recompute stopped early; a tensor left behind would keep, through its
         # grad_fn, the region that keeps this tracker (NOTE [ Which portals a tracker keeps ]).
+        # So would the phony, which descends from this task's PortalBlue nodes.
         tracker.tensors.clear()
-    return out
+        tracker.phony = None
 
 
 class Pipeline:
@@ -115,10 +122,12 @@ class Pipeline:
         # that raised, those left would keep their tensors, and the regions that stashed them,
         # alive for good.
         waiting: list[dict[Key, Portal]] = [{} for _ in batches]
+        # Per micro-batch, the skips' phony (NOTE [ The skips' phony ] in skip/tracker.py).
+        phonies: list[torch.Tensor | None] = [None for _ in batches]
         try:
             for schedule in clock_cycles(len(batches), len(self.partitions)):
                 self.fence(batches, schedule)
-                self.compute(batches, schedule, waiting, stop)
+                self.compute(batches, schedule, waiting, phonies, stop)
         finally:
             for portals in waiting:
                 portals.clear()
@@ -138,14 +147,28 @@ class Pipeline:
         batches: list[Batch],
         schedule: list[tuple[int, int]],
         waiting: list[dict[Key, Portal]],
+        phonies: list[torch.Tensor | None],
         stop: int,
     ) -> None:
         for i, j in schedule:  # [3]
             batch = batches[i]
+            inputs = batch.tensors
+            phony = phonies[i]
+            if phony is not None:
+                inputs = (*inputs, phony.to(self.devices[j]))
             tracker = SkipTrackerThroughPortals(self.layout, i < stop, waiting[i])
-            function = functools.partial(run_partition, self.partitions[j], tracker, batch.atomic)
+            function = functools.partial(
+                run_partition, self.partitions[j], tracker, batch.atomic, len(batch)
+            )
             if i < stop:
-                out = run_region(function, batch.tensors, {}, self.options)
+                out, phonies[i] = run_region(function, inputs, {}, self.options)
             else:
-                out = function(*batch.tensors)
+                out, phonies[i] = function(*inputs)
+            if not isinstance(out, torch.Tensor):
+                out = check_output(out, self.where(j))
             batches[i] = Batch(out)
+
+    def where(self, j: int) -> str:
+        """Partition ``j`` and its last layer, for errors about what it returned."""
+        name, layer = list(self.partitions[j].named_children())[-1]
+        return f"partition {j}, whose last layer is {name!r} ({type(layer).__name__}),"

@@ -31,8 +31,11 @@ class SkipLayout:
     pop_at: dict[Key, int]
 
     def requires_portal(self, ns: Namespace, name: str) -> bool:
+        """Whether the skip crosses partitions. A skip the layout does not list is stashed
+        and popped by skippables nested in one layer (``verify_skippables`` refuses the
+        others): it stays inside that layer's partition."""
         key = (ns, name)
-        return self.stash_at[key] != self.pop_at[key]
+        return key in self.stash_at and self.stash_at[key] != self.pop_at[key]
 
     def carried_into(self, j: int) -> list[Key]:
         """Skips that partition ``j`` receives from earlier partitions (it pops or passes them)."""

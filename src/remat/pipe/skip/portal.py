@@ -31,9 +31,13 @@ every one but the last with ``"except_last"``) hands it out twice: to ``b``'s fo
       drops s if still held, and the grad
 
 Order. [3] and [4] come in either order, and so do [5] and [6]; [4] always comes before [6]
-(PortalOrange's phony input comes from a fork in ``b`` that descends from PortalBlue's join in
-``a``), and so does [3] when it happens: a recompute of ``b`` is triggered by a node of ``b``,
-and every node of ``b`` that depends on the micro-batch runs before backward leaves ``b``.
+(PortalOrange's phony input comes from a fork in ``b`` of the skips' phony, which descends from
+PortalBlue's join in ``a``: NOTE [ The skips' phony ] in ``tracker.py``), and so does [3] when
+it happens: a recompute of ``b`` is triggered by a node of ``b``, and every node of ``b`` that
+depends on the micro-batch runs before backward leaves ``b`` (the micro-batch is joined to
+PortalBlue's phony in ``a`` too). When the micro-batch carries no gradient from ``a`` to ``b``
+(integer tensors), that last order is autograd's: on one device it runs nodes newest first,
+so ``b``'s before ``a``'s; a recompute that asks for ``s`` after [6] raises, as below.
 
 [3] does not always happen: the region engine stops a recompute after the last saved tensor
 that backward still needs, and when nothing after the pop is needed the recompute stops before
@@ -74,7 +78,7 @@ def _tell(portal: Portal, event: str) -> None:
 class Portal:
     """Holds one skip tensor of one micro-batch and, in backward, its gradient."""
 
-    __slots__ = ("empty", "grad", "name", "tensor", "tensor_life")
+    __slots__ = ("empty", "grad", "name", "needs_grad", "tensor", "tensor_life")
 
     def __init__(self, tensor: Tensor | None, tensor_life: int, name: str = "") -> None:
         self.tensor = tensor
@@ -83,6 +87,9 @@ class Portal:
         self.empty = tensor is None
         self.grad: Tensor | None = None
         self.name = name
+        # Whether [1] made a PortalBlue, whose phony the pop must descend from (NOTE [ The
+        # skips' phony ] in tracker.py); set by blue(), kept for the recompute's pop.
+        self.needs_grad = False
 
     def __repr__(self) -> str:
         held = "empty" if self.tensor is None else f"holding {tuple(self.tensor.shape)}"
@@ -95,6 +102,7 @@ class Portal:
             return phony(torch.device("cpu"))
         _tell(self, "blue")
         if torch.is_grad_enabled() and tensor.requires_grad:
+            self.needs_grad = True
             out: Tensor = PortalBlue.apply(self, tensor)  # type: ignore[no-untyped-call]
             return out
         return phony(tensor.device)

@@ -232,12 +232,16 @@ def verify_skippables(module: nn.Sequential) -> None:
 
     Each stashed name must be popped by exactly one later layer, each popped name must be
     stashed by exactly one earlier layer; names repeated by blocks need namespaces
-    (``.isolate(Namespace())``).
+    (``.isolate(Namespace())``). A skippable nested inside a layer (a residual block written
+    as ``nn.Sequential(Stash(), ..., Pop())``) must have its partner inside the same layer: a
+    pipeline carries skips between the ``nn.Sequential``'s own layers only.
     """
     problems: list[str] = []
     stashed: dict[Key, int] = {}
     popped: dict[Key, int] = {}
+    inner = [inner_pairs(layer) for layer in module]
     for index, layer in enumerate(module):
+        problems += _nested_problems(index, layer, inner[index])
         if not isinstance(layer, Skippable):
             continue
         where = f"layer {index} ({type(layer).__name__})"
@@ -263,6 +267,14 @@ def verify_skippables(module: nn.Sequential) -> None:
                 f"{_label(key)} is stashed by layer {index} ({type(module[index]).__name__}) but "
                 "no later layer pops it."
             )
+    for index, keys in enumerate(inner):
+        for key in sorted(keys & (stashed.keys() | popped.keys()), key=lambda k: k[1]):
+            problems.append(
+                f"{_label(key)} is stashed and popped inside layer {index} "
+                f"({type(module[index]).__name__}), and also by layer "
+                f"{stashed.get(key, popped.get(key))}; give the pair inside layer {index} its "
+                "own namespace with .isolate(Namespace())."
+            )
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
         raise RematError(
@@ -272,3 +284,38 @@ def verify_skippables(module: nn.Sequential) -> None:
             "layer that pops it, and give each repeated stash/pop pair its own namespace with "
             ".isolate(Namespace())."
         )
+
+
+def _nested(layer: nn.Module) -> Iterator[tuple[str, Skippable]]:
+    """The skippables inside ``layer`` (not ``layer`` itself), with their paths in it."""
+    for path, sub in layer.named_modules():
+        if sub is not layer and isinstance(sub, Skippable):
+            yield path, sub
+
+
+def inner_pairs(layer: nn.Module) -> set[Key]:
+    """The skips that skippables nested in ``layer`` both stash and pop: they stay inside it."""
+    stashes = {key for _, sub in _nested(layer) for key in sub.stashable()}
+    pops = {key for _, sub in _nested(layer) for key in sub.poppable()}
+    return stashes & pops
+
+
+def _nested_problems(index: int, layer: nn.Module, inner: set[Key]) -> list[str]:
+    """Stashes and pops nested in top-level layer ``index`` whose partner is not inside it."""
+    problems: list[str] = []
+    for path, sub in _nested(layer):
+        for verb, partner, keys in (
+            ("stashed", "popped", sub.stashable()),
+            ("popped", "stashed", sub.poppable()),
+        ):
+            for key in keys:
+                if key not in inner:
+                    problems.append(
+                        f"{_label(key)} is {verb} by {type(sub).__name__} at {index}.{path}, "
+                        f"nested in layer {index} ({type(layer).__name__}), but not {partner} "
+                        f"inside that layer; a pipeline carries skips only between the "
+                        f"nn.Sequential's own layers: make {index}.{path} a layer of the "
+                        "nn.Sequential itself (unwrap the module that holds it), or keep the "
+                        "stash and its pop inside one layer."
+                    )
+    return problems

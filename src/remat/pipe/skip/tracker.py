@@ -76,6 +76,24 @@ class SkipTrackerThroughPortals(SkipTracker):
     grad. A portal waits between stash and pop in ``waiting``, which every task's forward
     shares and nothing keeps after the pipeline's forward: by then every portal was popped,
     and after a forward that raised the pipeline drops the rest.
+
+    NOTE [ The skips' phony ]
+
+    PortalBlue's backward, which hands the skip tensor its gradient, runs only if backward
+    reaches it from the pop: PortalOrange's phony input must descend from PortalBlue's phony.
+    The micro-batch itself cannot always link them: between stash and pop it may be an integer
+    tensor (token ids), or a tensor that lost its history (``torch.ones_like(x)``), and a phony
+    joined to it or forked from it leads nowhere, so the gradient would be dropped silently.
+    So each micro-batch also carries ``phony``, an empty tensor beside the micro-batch's own
+    tensors: the stash joins PortalBlue's phony into it, the pipeline hands it from each task of
+    the micro-batch to the next (an input and an output of each task's region, moved to each
+    partition's device), and the pop of a skip whose PortalBlue exists forks from it and joins
+    that fork into PortalOrange's phony input. The micro-batch is still joined and forked as
+    well, as torchgpipe does: when it carries gradients, that keeps PortalBlue's backward after
+    the popping partition's backward (NOTE [ Life of a tensor through a portal ]). Forks and
+    joins save no tensor, so the phony changes nothing that a region saves; a pop's PortalOrange
+    (and what the layers after it save) depends only on whether the stash's PortalBlue exists,
+    which the portal remembers for the recompute.
     """
 
     def __init__(self, layout: SkipLayout, checkpointed: bool, waiting: dict[Key, Portal]) -> None:
@@ -85,6 +103,9 @@ class SkipTrackerThroughPortals(SkipTracker):
         self.waiting = waiting
         self.popped: dict[Key, Portal] = {}
         self.stashed: dict[Key, bool] = {}
+        # The skips' phony of the micro-batch while the task runs (NOTE [ The skips' phony ]);
+        # run_partition sets it from the task's input. None until a stash needs one.
+        self.phony: Tensor | None = None
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Tensor | None) -> None:
         if not self.layout.requires_portal(ns, name):
@@ -109,6 +130,8 @@ class SkipTrackerThroughPortals(SkipTracker):
         blue = portal.blue()
         self.stashed[key] = blue.requires_grad
         batch[i] = join(batch[i], blue)
+        if blue.requires_grad:
+            self.phony = blue if self.phony is None else join(self.phony, blue)
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Tensor | None:
         if not self.layout.requires_portal(ns, name):
@@ -119,6 +142,16 @@ class SkipTrackerThroughPortals(SkipTracker):
             portal = self.popped[key] = self.waiting.pop(key)
         i = batch.find_tensor_idx()
         batch[i], p = fork(batch[i])
+        if portal.needs_grad:
+            if self.phony is None:
+                raise RematError(
+                    f"remat: internal error: skip {_label(ns, name)} was stashed with a "
+                    "gradient, but the micro-batch reached its pop without the skips' phony "
+                    "(NOTE [ The skips' phony ] in remat/pipe/skip/tracker.py). Please report "
+                    "this with the model."
+                )
+            self.phony, carried = fork(self.phony)
+            p = join(p, carried)
         return portal.orange(p)
 
 
