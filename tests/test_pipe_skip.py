@@ -572,3 +572,43 @@ def test_pop_without_stash_and_undeclared_names_fail_clearly() -> None:
         Down().isolate(Namespace(), only=["c"])
     with pytest.raises(remat.RematError, match=r"nn\.Module subclass"):
         skippable(stash=["a"])(int)  # type: ignore[arg-type]
+
+
+def test_a_skippable_layer_refuses_a_dict_rather_than_taking_its_keys() -> None:
+    """A skippable layer passes a tensor or a tuple on; a dict was read as the tuple of its
+    keys (the layer got strings, in a plain Sequential too), a string as its characters."""
+
+    @skippable(stash=["s"])
+    class Keyed(nn.Module):
+        def forward(self, x: Any) -> Iterator[Any]:
+            yield stash("s", x["a"])
+            return x
+
+    with pytest.raises(remat.RematError, match=r"Keyed, a skippable layer, takes a dict; a"):
+        Keyed()({"a": torch.ones(1)})
+
+    @skippable(stash=["s"])
+    class Named(nn.Module):
+        def forward(self, x: torch.Tensor) -> Iterator[Any]:
+            yield stash("s", x)
+            return "done"
+
+    with pytest.raises(remat.RematError, match=r"Named, a skippable layer, returned a str; "):
+        nn.Sequential(Named(), Up())(torch.ones(1))
+
+    @skippable(stash=["s"])
+    class Pair(nn.Module):
+        def forward(self, x: Any) -> Iterator[Any]:
+            yield stash("s", x[0])
+            return x
+
+    @skippable(pop=["s"])
+    class Sum(nn.Module):
+        def forward(self, x: Any) -> Iterator[Any]:
+            s = yield pop("s")
+            return x[0] + x[1] + s
+
+    # a tuple goes through as before, and a list as a tuple
+    x = (torch.ones(2), torch.full((2,), 2.0))
+    for given in (x, list(x)):
+        assert torch.equal(nn.Sequential(Pair(), Sum())(given), torch.full((2,), 4.0))

@@ -151,7 +151,7 @@ class Skippable(nn.Module):
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         cls = type(self).__name__
         tracker = current_skip_tracker()
-        batch = Batch(input)
+        batch = Batch(_tensors(input, f"{cls}, a skippable layer, takes"))
         # Every declared pop is taken at entry, so that the portal is tied to the input.
         poppable = {name: tracker.load(batch, ns, name) for ns, name in self.poppable()}
         stashed: dict[str, Tensor | None] = {}
@@ -188,10 +188,25 @@ class Skippable(nn.Module):
                 f"remat: {cls} declares pop={sorted(self.poppable_names)} but did not pop "
                 f"{sorted(poppable)} in this forward; every declared name must be popped."
             )
-        out = Batch(output)
+        out = Batch(_tensors(output, f"{cls}, a skippable layer, returned"))
         for ns, name in self.stashable():
             tracker.save(out, ns, name, stashed[name])
         return out.value
+
+
+def _tensors(value: Any, what: str) -> TensorOrTensors:
+    """``value`` where it is a tensor or a tuple (a list is passed on as one), what a
+    skippable layer passes on; a ``RematError`` saying ``what`` was found otherwise: a dict
+    would be taken for the tuple of its keys, a string for its characters."""
+    if isinstance(value, (Tensor, tuple)):
+        return value
+    if isinstance(value, list):
+        return tuple(value)
+    raise RematError(
+        f"remat: {what} a {type(value).__name__}; a skippable layer takes and returns a "
+        "tensor or a tuple of tensors, as the layers of a Pipe do. Pass the tensors as a "
+        "tuple, and other values as attributes of the layer."
+    )
 
 
 def skippable(
