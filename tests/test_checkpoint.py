@@ -1221,14 +1221,15 @@ _ENGINES = {
 
 
 @pytest.mark.parametrize("outer", ["region", "mm"])
-@pytest.mark.parametrize("mid", ["region", "mm"])
+@pytest.mark.parametrize("mid", ["region", "mm", "torch"])
 @pytest.mark.parametrize("inner", ["region", "mm", "all"])
 def test_three_nested_regions_of_either_engine_are_exact(outer: str, mid: str, inner: str) -> None:
-    """Regions three deep, each on either engine, with dropout innermost: outputs and gradients
-    equal the plain program's. A graph-engine region inside a region-engine one inside a
-    graph-engine one joined the outer recording in forward and not in the recompute (none is
-    open in backward), so it saved its inputs only in the recompute, and the determinism check
-    failed on a deterministic program."""
+    """Regions three deep, each on either engine (the middle one also torch's non-reentrant
+    checkpoint, as user code around a remat region may have), with dropout innermost: outputs
+    and gradients equal the plain program's. A graph-engine region inside a region-engine one
+    (remat's or torch's) inside a graph-engine one joined the outer recording in forward and
+    not in the recompute (none is open in backward), so it saved its inputs only in the
+    recompute, and the determinism check failed on a deterministic program."""
 
     def run(engines: tuple[str, str, str] | None) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -1238,6 +1239,8 @@ def test_three_nested_regions_of_either_engine_are_exact(outer: str, mid: str, i
         def call(level: int, fn: Any, *args: Any) -> Any:
             if engines is None:
                 return fn(*args)
+            if engines[level] == "torch":
+                return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
             return remat.checkpoint(fn, *args, policy=_ENGINES[engines[level]])
 
         def innermost(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -44,9 +44,11 @@ Rule 2. A region's inputs are saved, through ``_SaveInputs``, by the region arou
         while the region needs them.
 Rule 3. A recompute starts as if no region were active; regions it meets are honoured.
 Rule 4. A graph-engine region joins the recording of one around it (its policy on top of the
-        stack), except inside a region-engine region between them (``_state.frame_saves``):
-        there it records on its own and saves its inputs, in forward as in the recompute,
-        where no outer recording is open, so the frame sees the same saved tensors in both.
+        stack), except inside a region-engine region between them (``_state.frame_saves``),
+        remat's or ``torch.utils.checkpoint``'s non-reentrant one (its saved-tensor hooks on
+        top, ``graph._in_torch_checkpoint``): there it records on its own and saves its
+        inputs, in forward as in the recompute, where no outer recording is open, so the frame
+        sees the same saved tensors in both.
 
 NOTE [ Linked calls ]
 

@@ -856,6 +856,17 @@ def _module_names(
         del graph.modules[depth:]
 
 
+def _in_torch_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are those of ``torch.utils.checkpoint``'s
+    non-reentrant frame (its forward pass or its recompute): a region-engine frame of torch's
+    between a graph-engine region and one inside it (rule 4 of NOTE [ Nested regions ] in
+    ``checkpoint.py``, as ``_state.frame_saves`` marks remat's own)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    name = getattr(hooks[0], "__qualname__", "") if hooks else ""
+    return name.startswith(("_checkpoint_hook.", "_recomputation_hook."))
+
+
 @contextlib.contextmanager
 def recording(
     policy: Any,
@@ -872,7 +883,7 @@ def recording(
     from .checkpoint import save_inputs
 
     active = _state.state.graph
-    if active is not None:
+    if active is not None and not _in_torch_checkpoint():
         # Nested graph regions share the outer recording; their policy joins the stack.
         active.policies.append(policy)
         try:
