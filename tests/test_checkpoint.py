@@ -252,11 +252,19 @@ def _early_stop_fn(x: torch.Tensor, marks: list[str]) -> torch.Tensor:
     return z + 1.0  # add saves nothing, and its backward runs no add
 
 
-@pytest.mark.parametrize("early_stop", [True, False])
-def test_early_stop_skips_ops_after_last_needed_save(early_stop: bool) -> None:
+@pytest.mark.parametrize("early_stop", [True, False, "torch's switch"])
+def test_early_stop_skips_ops_after_last_needed_save(early_stop: bool | str) -> None:
+    """``early_stop=False``, or torch's ``set_checkpoint_early_stop(False)`` around the
+    forward pass as code ported from torch's checkpoint has it, runs the recompute to the
+    end."""
     marks: list[str] = []
     x = _leaf(4)
-    out = remat.checkpoint(_early_stop_fn, x, marks, early_stop=early_stop)
+    if early_stop == "torch's switch":
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            out = remat.checkpoint(_early_stop_fn, x, marks)
+        early_stop = False
+    else:
+        out = remat.checkpoint(_early_stop_fn, x, marks, early_stop=early_stop)
     with counting_ops() as ops:
         out.sum().backward()
     assert ops["sin"] == 1 and ops["exp"] == 1

@@ -842,7 +842,8 @@ def checkpoint(
             shape, dtype and device as the forward pass saved and raises
             :class:`~remat.CheckpointError` listing each one that differs; ``"none"`` skips it.
         early_stop: stop the recompute as soon as every saved tensor that backward can still
-            ask for is rebuilt.
+            ask for is rebuilt; inside torch's ``set_checkpoint_early_stop(False)`` it runs to
+            the end, as torch's checkpoint does there.
         debug: record the operators of the forward pass and the recompute and show where they
             diverge when the determinism check fails.
         use_reentrant: accepted for drop-in use with ``torch.utils.checkpoint``; only ``False``
@@ -905,6 +906,16 @@ def checkpoint(
         preserve_rng_state, context_fn, determinism_check, early_stop, debug, use_reentrant, policy
     )
     return run_region(function, args, kwargs, options)
+
+
+def _early_stop(option: bool) -> bool:
+    """The region's ``early_stop``, off inside ``torch.utils.checkpoint``'s
+    ``set_checkpoint_early_stop(False)`` (code ported from torch's checkpoint turns it off
+    there, so that the recompute runs the whole function, its hooks included)."""
+    return (
+        option
+        and getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is not False
+    )
 
 
 def _refuse_shadowed(function: Callable[..., Any], policy: bool, early_stop: bool) -> None:
@@ -980,7 +991,7 @@ def run_region(
     )
     frame = _Frame(
         recompute_context,
-        early_stop=options.early_stop,
+        early_stop=_early_stop(options.early_stop),
         check=options.determinism_check == "default",
         debug=options.debug,
     )
@@ -1073,7 +1084,7 @@ class LinkedCalls:
         if frame is None or not found:
             frame = _Frame(
                 contextlib.nullcontext(),
-                early_stop=self.options.early_stop,
+                early_stop=_early_stop(self.options.early_stop),
                 check=self.options.determinism_check == "default",
                 debug=self.options.debug,
             )
