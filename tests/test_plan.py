@@ -747,6 +747,49 @@ def test_a_forward_that_calls_a_block_more_often_than_planned_warns_once(
     assert_equal([p.grad for p in plain.parameters()], [p.grad for p in planned.parameters()])
 
 
+class _Headed(nn.Module):
+    """Blocks in a body, and a head: a loop may call the body alone (Hugging Face's
+    ``model.model(...)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Rounds()
+        self.body.rounds = 1
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_a_loop_that_calls_the_body_alone_is_counted_as_one_forward() -> None:
+    """The count of block calls starts afresh at the outermost forward under way, of the model
+    or of a module between it and the blocks (``Outer``): steps that call the body without
+    the head, after steps through the whole model, call each block once per forward and do
+    not warn; blocks called twice in one forward still do. Gradients are bit-equal
+    throughout."""
+    torch.manual_seed(0)
+    model = _Headed()
+    x = torch.randn(16, 8, 32)
+    plan = remat.plan(model, x, budget="100%", repeats=0)
+    assert [b["path"] for b in plan.blocks] == ["body.layers.0", "body.layers.1"]
+    planned, plain = plan.apply(copy.deepcopy(model)), copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for m in (plain, planned):
+            for step in range(4):  # whole model, body alone, and again
+                torch.manual_seed(step)
+                (m(x) if step % 2 == 0 else m.body(x)).square().sum().backward()
+    assert_equal([p.grad for p in plain.parameters()], [p.grad for p in planned.parameters()])
+
+    planned.body.rounds = 2  # each block twice in one forward
+    with pytest.warns(UserWarning) as record:
+        planned(x).sum().backward()
+    assert sorted(str(w.message).split(" was called more than once")[0] for w in record) == [
+        "remat: block 'body.layers.0'",
+        "remat: block 'body.layers.1'",
+    ]
+
+
 def test_a_block_replaced_or_added_after_apply_warns_once() -> None:
     """A module set in a block's place after ``apply``, or added to the module list of
     blocks, runs outside the plan: the first forward with gradients that runs it warns once
