@@ -23,6 +23,7 @@ from .errors import RematError
 
 CACHE_ARGUMENTS = ("past_key_values", "layer_past", "cache")
 
+_UNREAD = inspect.Signature()  # a class whose signature was not read yet (compared by identity)
 _signatures: weakref.WeakKeyDictionary[type[nn.Module], inspect.Signature | None] = (
     weakref.WeakKeyDictionary()
 )
@@ -31,14 +32,11 @@ _signatures: weakref.WeakKeyDictionary[type[nn.Module], inspect.Signature | None
 def signature(cls: type[nn.Module]) -> inspect.Signature | None:
     """``cls.forward``'s signature where it takes a cache argument (or ``use_cache``), else
     ``None``; read once per class."""
-    if cls in _signatures:
-        return _signatures[cls]
-    found: inspect.Signature | None = inspect.signature(cls.forward)
-    if found is not None and not any(
-        name in found.parameters for name in ("use_cache", *CACHE_ARGUMENTS)
-    ):
-        found = None
-    _signatures[cls] = found
+    found = _signatures.get(cls, _UNREAD)
+    if found is _UNREAD:
+        read = inspect.signature(cls.forward)
+        takes = any(name in read.parameters for name in ("use_cache", *CACHE_ARGUMENTS))
+        found = _signatures[cls] = read if takes else None
     return found
 
 

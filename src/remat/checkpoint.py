@@ -345,7 +345,7 @@ class _Frame:
     ) -> None:
         self.calls: list[_Call] = []
         self.recompute_context = recompute_context
-        self.early_stop = early_stop
+        self.early_stop = _early_stop(early_stop)
         self.check = check
         self.slots: list[weakref.ref[_Slot]] = []
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
@@ -991,7 +991,7 @@ def run_region(
     )
     frame = _Frame(
         recompute_context,
-        early_stop=_early_stop(options.early_stop),
+        early_stop=options.early_stop,
         check=options.determinism_check == "default",
         debug=options.debug,
     )
@@ -1084,7 +1084,7 @@ class LinkedCalls:
         if frame is None or not found:
             frame = _Frame(
                 contextlib.nullcontext(),
-                early_stop=_early_stop(self.options.early_stop),
+                early_stop=self.options.early_stop,
                 check=self.options.determinism_check == "default",
                 debug=self.options.debug,
             )

@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import inspect
 import sys
@@ -97,6 +96,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import _state
+from .._aten import storage_key
 from ..checkpoint import LinkedCalls, RegionOptions
 from ..errors import RematError, warn
 from ..modules import (
@@ -646,33 +646,12 @@ class UnlikeProfiled:
 # the output costs a weak reference per output tensor and one tensor hook.
 
 
-def _output_tensors(out: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The tensors of a model's output: in tuples, lists, mappings (Hugging Face's
-    ``ModelOutput``) and dataclasses, a few levels deep."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if depth > 3:
-        return []
-    if isinstance(out, dict):
-        items: Any = out.values()
-    elif isinstance(out, (list, tuple)):
-        items = out
-    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
-        items = [getattr(out, f.name) for f in dataclasses.fields(out)]
-    else:
-        return []
-    return [t for item in items for t in _output_tensors(item, depth + 1)]
-
-
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the storages under ``tensors``, each counted once."""
-    storages = {}
-    for t in tensors:
-        try:
-            storage = t.untyped_storage()
-        except (NotImplementedError, RuntimeError):  # no storage of its own (sparse)
-            continue
-        storages[storage.data_ptr()] = storage.nbytes()
+    """Bytes of the storages under ``tensors``, each counted once (none for a tensor without
+    a plain storage)."""
+    storages = {
+        key: t.untyped_storage().nbytes() for t in tensors if (key := storage_key(t)) is not None
+    }
     return sum(storages.values())
 
 
@@ -689,7 +668,8 @@ class HeldOutput:
     def __call__(self, model: nn.Module, args: Any, out: Any) -> None:
         if self.warned or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
-        tensors = _output_tensors(out)
+        # (Hugging Face's ModelOutput is a pytree node, as tuples, lists and dicts are)
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         graded = [t for t in tensors if t.grad_fn is not None]
         if not graded or not self._breaks(_storage_bytes(tensors)):
             return
