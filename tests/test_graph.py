@@ -614,6 +614,61 @@ def test_in_place_ops_on_intermediates_replay_exactly(policy: Any) -> None:
         assert ops["mul_"] == 2 and ops["relu_"] == 1 and ops["bernoulli_"] == 2
 
 
+class _GRUCell(nn.Module):
+    """The ops of ``nn.GRUCell`` on the CPU: each gate is a chunk of a wider tensor (strides
+    (48, 1) for a (4, 16) gate), written in place by ``add_`` and ``sigmoid_``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wi, self.wh = nn.Linear(16, 48), nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        ir, iz, i_n = self.wi(x).unsafe_chunk(3, 1)
+        hr, hz, h_n = self.wh(h).unsafe_chunk(3, 1)
+        r = hr.add_(ir).sigmoid_()
+        z = hz.add_(iz).sigmoid_()
+        n = i_n.add(h_n.mul_(r)).tanh_()
+        return (h - n).mul_(z).add_(n)
+
+
+def _recurrent_cells() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    torch.manual_seed(0)
+    gru, gru_cell, lstm_cell, cell = (
+        nn.GRU(16, 16, batch_first=True),
+        nn.GRUCell(16, 16),
+        nn.LSTMCell(16, 16),
+        _GRUCell(),
+    )
+    return {
+        "gru": lambda x, h: gru(torch.stack([x, h], 1))[0].square().sum(),
+        "gru_cell": lambda x, h: gru_cell(x, h).square().sum(),
+        "lstm_cell": lambda x, h: lstm_cell(x, (h, h))[0].square().sum(),
+        "ops_of_a_gru_cell": lambda x, h: cell(x, h).square().sum(),
+    }
+
+
+@pytest.mark.parametrize("policy", [policies.recompute_everything, policies.save_matmuls])
+@pytest.mark.parametrize("name", ["gru", "gru_cell", "lstm_cell", "ops_of_a_gru_cell"])
+def test_a_replay_writes_in_place_on_the_layout_forward_wrote(name: str, policy: Any) -> None:
+    # A replayed in-place write whose input another replayed op still needs runs on a copy;
+    # the copy keeps the strides of a chunk of the gates, as forward's write saw them. On a
+    # contiguous copy the CPU's sigmoid gives other bits, and the gradients differed.
+    torch.manual_seed(1)
+    run_both(_recurrent_cells()[name], _leaf(4, 16), _leaf(4, 16), policy=policy)
+
+
+def test_copy_with_layout_keeps_sizes_strides_and_values() -> None:
+    from remat._aten import copy_with_layout
+
+    wide = torch.randn(4, 48)
+    for t in (wide[:, :16], wide.t(), wide[::2, 1::3], wide, torch.randn(4, 1).expand(4, 3)):
+        copy = copy_with_layout(t)
+        assert torch.equal(copy, t) and copy.untyped_storage().data_ptr() != t.data_ptr()
+        if t.stride() != (1, 0):  # an expand's elements overlap: cloned, contiguous
+            assert copy.stride() == t.stride()
+    assert not torch.equal(wide[:, :16].sigmoid(), wide[:, :16].clone().sigmoid())
+
+
 class _Stateful(nn.Module):
     """Writes buffers in forward: add_, copy_, BatchNorm statistics; reads them after."""
 

@@ -84,6 +84,31 @@ def storage_key(t: torch.Tensor) -> int | None:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def copy_with_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its sizes and strides, for a replay that writes a value in place
+    where forward wrote the original. ``clone()`` keeps the strides of a dense tensor only: a
+    chunk of a wider tensor (a GRU's gates) comes back contiguous, and some CPU kernels give
+    other bits on another layout (``sigmoid_`` on a strided view and on its contiguous copy),
+    so the replay would rebuild other values than forward saved. A tensor whose elements may
+    overlap (an ``expand``) cannot be written in place, and is cloned."""
+    if t.layout is not torch.strided or t.is_contiguous() or not _no_overlap(t):
+        return t.clone()
+    copy = t.new_empty_strided(t.size(), t.stride())
+    return copy.copy_(t)
+
+
+def _no_overlap(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory, by a sufficient test on its strides."""
+    pairs = zip(t.stride(), t.shape, strict=True)
+    dims = sorted((stride, size) for stride, size in pairs if size > 1)
+    extent = 1  # elements spanned by the dimensions of smaller stride
+    for stride, size in dims:
+        if stride < extent:
+            return False
+        extent = stride * (size - 1) + extent
+    return True
+
+
 def op_info(op: torch._ops.OpOverload) -> OpInfo:
     info = _cache.get(id(op))
     if info is None:

@@ -143,7 +143,7 @@ import torch
 from torch import nn
 
 from ._ambient import GeneratorStates, generator_key, is_default_generator
-from ._aten import OpInfo, op_info
+from ._aten import OpInfo, copy_with_layout, op_info
 from ._aten import storage_key as _storage_key
 from ._dispatch import EagerMode
 
@@ -701,7 +701,7 @@ class WriteGuard(EagerMode):
             self._written.add(key)
         if self._expected is not None and key not in self._expected:
             self.hidden += 1
-        copy = t.clone()
+        copy = copy_with_layout(t)
         key = _storage_key(copy)
         if key is not None:
             self._fresh.add(key)

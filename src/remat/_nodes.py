@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._aten import ArgLayout
+from ._aten import ArgLayout, copy_with_layout
 from .policies import Decision
 
 __all__: list[str] = []
@@ -129,7 +129,7 @@ class _Held:
 
     def copied(self) -> None:
         """Hold a copy from now on: the region is about to write the value held."""
-        self.tensor = self.tensor.clone()
+        self.tensor = copy_with_layout(self.tensor)
         self.source = None
 
     def __repr__(self) -> str:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _state
+from ._aten import copy_with_layout
 from ._aten import storage_key as _storage
 from ._nodes import (
     _RECORDED,
@@ -285,11 +286,12 @@ class Replay:
                         f"of {self.nodes[value.node].op} that is gone."
                     )
                 if position in written and self._shared(value, t, task):
-                    t = t.clone()  # another consumer still needs the state before this write
+                    # another consumer still needs the state before this write
+                    t = copy_with_layout(t)
                 return t
             if isinstance(value, _Input):
                 t = self._input(value.index, task)
-                return t.clone() if position in written else t  # never write a live input
+                return copy_with_layout(t) if position in written else t  # never write a live input
             if isinstance(value, _Meta):
                 return value.stand_in()
             if isinstance(value, _External):
@@ -306,7 +308,7 @@ class Replay:
                 return value.tensor
             if isinstance(value, _Held):
                 check_held(value, "read", node.op)
-                return value.tensor.clone() if position in written else value.tensor
+                return copy_with_layout(value.tensor) if position in written else value.tensor
             return value
 
         layout = node.layout

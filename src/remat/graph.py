@@ -93,7 +93,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import _attention, _state
-from ._aten import ArgLayout, op_info
+from ._aten import ArgLayout, copy_with_layout, op_info
 from ._aten import storage_key as _storage
 from ._dispatch import EagerMode
 from ._nodes import (
@@ -369,7 +369,7 @@ class Graph(Replay):
                 if isinstance(recorded, _External):
                     if self.held:
                         self._before_write(target)  # a kept view of it holds the value before
-                    snapshot = _Held(target.detach().clone())
+                    snapshot = _Held(copy_with_layout(target.detach()))
                     # Earlier reads of this state replay from the snapshot (see [ Replay
                     # identity ] 5), since the live tensor moves on.
                     for read in self.externals.get(_key(target), ()):
@@ -442,7 +442,7 @@ class Graph(Replay):
                 continue
             for read in reads:
                 if read.snapshot is None and read.version == read.tensor._version:
-                    read.snapshot = read.tensor.detach().clone()
+                    read.snapshot = copy_with_layout(read.tensor.detach())
 
     def _bind(
         self,
