@@ -328,3 +328,138 @@ def test_a_parameter_added_before_backward_is_refused_and_nothing_is_left_bound(
         loss.backward()
     assert not any(m.training for m in model.modules())
     assert "extra" in dict(model[1].fc1.named_parameters())
+
+
+class RunningNorm(nn.Module):
+    """Normalises by running statistics it reads, then rebinds to their update: the
+    out-of-place form of a running normaliser or an EMA codebook (``self.mean = ...``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.register_buffer("mean", torch.zeros(width))
+        self.register_buffer("var", torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        y = (h - self.mean) / (self.var + 1e-5).sqrt()
+        if self.training:
+            with torch.no_grad():
+                self.mean = 0.9 * self.mean + 0.1 * h.mean(0)
+                self.var = 0.9 * self.var + 0.1 * h.var(0)
+        return torch.tanh(y)
+
+
+def running_norm_model(wrap: Callable[[nn.Sequential], object] | None) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(RunningNorm(8), RunningNorm(8), nn.Linear(8, 3))
+    if wrap is not None:
+        wrap(model)
+    return model
+
+
+def train_three_steps(model: nn.Sequential) -> list[torch.Tensor]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return [*model.state_dict().values()]
+
+
+REGION_ENGINES = {
+    "region": lambda m: remat.apply(m, RunningNorm),
+    "segment": lambda m: apply_segment(m, ["0", "1"]),
+    "graph": lambda m: remat.apply(m, RunningNorm, policy=remat.policies.recompute_everything),
+}
+
+
+@pytest.mark.parametrize("engine", REGION_ENGINES)
+def test_a_forward_that_rebinds_a_buffer_is_recomputed_from_the_one_it_read(engine: str) -> None:
+    """The recompute reads the buffers the forward pass read, not their update, and the
+    update it makes again is undone: parameters and statistics equal the plain model's after
+    three steps (the statistics once updated per step, not twice)."""
+    expected = train_three_steps(running_norm_model(None))
+    got = train_three_steps(running_norm_model(REGION_ENGINES[engine]))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_torch_checkpoint_recomputes_from_a_rebound_buffer_and_updates_it_twice() -> None:
+    """The contrast: torch's checkpoint reads the updated statistics in its recompute and
+    rebinds them once more, so one step moves them twice."""
+    plain = running_norm_model(None)
+    model = running_norm_model(None)
+    model[0] = TorchCheckpointed(model[0])  # type: ignore[arg-type]
+    x, y = batch(0)
+    for m in (plain, model):
+        F.mse_loss(m(x), y).backward()
+    twice = 0.9 * (0.9 * torch.zeros(8) + 0.1 * plain[0].fc(x).mean(0))
+    twice += 0.1 * plain[0].fc(x).mean(0)
+    assert not torch.equal(plain[0].mean, model[0].block.mean)
+    assert torch.allclose(model[0].block.mean, twice.detach())
+
+
+class CachingBlock(nn.Module):
+    """Registers a buffer on its first call (a table of positions, made once)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "table" not in self._buffers:
+            self.register_buffer("table", torch.linspace(0, 1, x.shape[-1]), persistent=False)
+        return torch.tanh(self.fc(x) + self.table)
+
+
+@pytest.mark.parametrize("policy", [None, remat.policies.recompute_everything])
+def test_a_buffer_registered_by_the_first_forward_stays_the_one_registered(policy: Any) -> None:
+    """The recompute of the first call runs without the buffer, as its forward pass did, and
+    makes it again; the module keeps the one its forward pass registered (the second step's
+    forward pass finds it)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(CachingBlock(8), nn.Linear(8, 3))
+    model = copy.deepcopy(plain)
+    remat.apply(model, CachingBlock, policy=policy)
+    x, y = batch(1)
+    tables = []
+    for m in (plain, model):
+        for _ in range(2):
+            F.mse_loss(m(x), y).backward()
+            tables.append(m[0].table)
+    assert tables[2] is tables[3]
+    assert all(
+        torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
+        for a, b in zip(plain.parameters(), model.parameters(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("frozen_in_forward", [True, False])
+def test_requires_grad_switched_before_backward_recomputes_with_forward_s(
+    engine: str, frozen_in_forward: bool
+) -> None:
+    """A parameter frozen or unfrozen between forward and backward (a GAN freezes the
+    discriminator after ``D(fake)``): autograd backpropagates through the graph forward
+    recorded, and the recompute saves what forward saved, so gradients equal the plain
+    model's; the flag stays as the user set it."""
+
+    def step(model: nn.Sequential) -> list[torch.Tensor | None]:
+        weight = model[0].fc1.weight
+        weight.requires_grad_(not frozen_in_forward)
+        x, y = batch(7)
+        x.requires_grad_()
+        torch.manual_seed(7)
+        loss = F.mse_loss(model(x), y)
+        weight.requires_grad_(frozen_in_forward)
+        loss.backward()
+        assert weight.requires_grad is frozen_in_forward
+        return [x.grad, *(p.grad for p in model.parameters())]
+
+    expected = step(make_model())
+    got = step(engine_model(engine))
+    assert all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(expected, got, strict=True)
+    )

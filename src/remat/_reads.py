@@ -6,17 +6,25 @@ The region engine rebuilds activations by running the region's Python again. The
 reads the modules' parameters, buffers and flags as they are in backward, which may not be
 how they were in forward. Usually nothing changed. When something did, the recompute builds
 other activations, and the gradients come out wrong with no error. Torch's checkpoint
-behaves this way in all three cases below.
+behaves this way in all four cases below.
 
 1. *Another tensor in the module's place.* ``torch.func.functional_call(model, params, x)``
    swaps ``params`` into the modules for the call, then swaps the modules' own back when it
    returns. A recompute after that would read the module's own. A module may also replace a
    buffer or a parameter between forward and backward.
 
-   The forward pass notes which tensor each module of the region held under each name: its
-   *bindings*, taken from the modules that the walk of ``_guard.Reachable`` visits. A
-   recompute that finds another tensor there puts the forward's tensor back while it runs,
-   then restores the module's.
+   A module may also rebind its own state in forward: a running normaliser or an EMA
+   codebook written out of place (``self.mean = 0.9 * self.mean + 0.1 * h.mean(0)``), or a
+   table registered on the first call. The recompute must read the state as the forward
+   pass found it, and must not rebind it a second time.
+
+   Before the forward pass runs, the region notes which tensor each module of the region
+   held under each name: its *bindings*, taken from the modules that the walk of
+   ``_guard.Reachable`` visits. A recompute that finds other tables puts the forward's
+   bindings back while it runs, then restores the tables whole, which also undoes what the
+   recompute bound. A table that gained or lost an entry between forward and backward is
+   refused: the module may now hold the tensor as a plain attribute, which no table lookup
+   reaches.
 
    The forward's tensors are held until the recompute. Where nothing was swapped, they are
    the module's own, so holding them costs nothing. Where something was, they are what a
@@ -47,13 +55,19 @@ behaves this way in all three cases below.
 3. *A module switched between train() and eval().* Dropout and BatchNorm compute differently
    in eval mode. The forward pass notes each module's ``training`` flag. A recompute that
    finds another flag sets the forward's while it runs.
+4. *A parameter frozen or unfrozen since.* A GAN freezes the discriminator after ``D(fake)``
+   and before the generator's backward. Autograd backpropagates through the graph forward
+   recorded, but a recompute with the new flag saves other tensors (a frozen weight's input
+   is not saved), so it fails or, where the shapes agree, builds other gradients. The
+   forward pass notes the ``requires_grad`` flag of each tensor the function reaches; a
+   recompute that finds another flag on a leaf sets the forward's while it runs.
 
-A forward pass notes one binding per parameter and buffer, one version per
-tensor reached and one flag per module. A recompute compares them; a transformer block has a
-dozen of each.
+A forward pass notes one binding per parameter and buffer, one version and one
+``requires_grad`` flag per tensor reached and one ``training`` flag per module. A recompute
+compares them; a transformer block has a dozen of each.
 
-The graph engine replays the recorded ops on the tensors that the forward pass read, so 1 and
-3 cannot happen to it. It checks 2 on every tensor it holds from the forward pass
+The graph engine replays the recorded ops on the tensors that the forward pass read, so 1, 3
+and 4 cannot happen to it. It checks 2 on every tensor it holds from the forward pass
 (``_replay.py``).
 """
 
@@ -93,36 +107,58 @@ def _was_read(keys: list[Any], t: torch.Tensor) -> bool:
 class Reads:
     """What a region's forward pass read from outside it: see the note above.
 
-    ``reach``: the walk made before the forward pass; ``own``: weak references to the tensors
-    the function itself reaches (``reach.own_refs()``); ``written``: the tensors the forward
-    pass wrote; ``arguments``: the region's tensor arguments. Neither of the last two is
-    checked by version.
+    Made from ``reach``, the walk made before the forward pass, before it runs (what the
+    modules held and their flags); :meth:`forward_done` completes it once the forward pass
+    has run.
     """
 
-    __slots__ = ("extra", "flags", "held", "modules", "own", "tables", "versions", "written")
+    __slots__ = (
+        "extra",
+        "flags",
+        "grads",
+        "held",
+        "lengths",
+        "modules",
+        "own",
+        "tables",
+        "versions",
+        "written",
+    )
 
-    def __init__(
-        self,
-        reach: Reachable,
-        own: list[weakref.ref[torch.Tensor]],
-        written: list[torch.Tensor],
-        arguments: list[torch.Tensor],
-    ) -> None:
+    def __init__(self, reach: Reachable) -> None:
         # The modules, their ``training`` flags, their parameter and buffer tables and what
-        # those held: a tuple per module and per table, once per region call.
+        # those held, and the ``requires_grad`` flag of each tensor the function reaches: once
+        # per region call, before the forward pass, so that a forward pass that rebinds an
+        # entry is recomputed from the tensor it read (1).
         self.modules = [m for m in reach.walked.values() if isinstance(m, nn.Module)]
         self.flags = tuple([m.training for m in self.modules])
         self.tables: list[dict[str, Any]] = []
         for m in self.modules:
             state = m.__dict__
             self.tables += (state["_parameters"], state["_buffers"])
-        self.held = [tuple(table.values()) for table in self.tables]
-        # Versions at the start of the forward pass; those it changed are ``written``.
-        self.own = own
+        self.held = [table.copy() for table in self.tables]
+        self.grads = tuple([t.requires_grad for t in reach.tensors[: reach.n_own]])
         self.versions = reach.versions
+        self.lengths: tuple[int, ...] = ()
+        self.own: list[weakref.ref[torch.Tensor]] = []
+        self.written: set[int] | None = None
+        self.extra: list[tuple[weakref.ref[torch.Tensor], int]] = []
+
+    def forward_done(
+        self,
+        reach: Reachable,
+        own: list[weakref.ref[torch.Tensor]],
+        written: list[torch.Tensor],
+        arguments: list[torch.Tensor],
+    ) -> None:
+        """After the forward pass: ``own``, weak references to the tensors the function
+        itself reaches (``reach.own_refs()``, in the order of ``grads``); ``written``, the
+        tensors the forward pass wrote; ``arguments``, the region's tensor arguments. Neither
+        of the last two is checked by version."""
+        self.lengths = tuple([len(table) for table in self.tables])
+        self.own = own
         self.written = {id(t) for t in written} if written else None
         skip = {id(t) for t in arguments}
-        self.extra = []  # tensors reached through the arguments (a module passed in)
         n = reach.n_own
         for t, v in zip(reach.tensors[n:], reach.versions[n:], strict=True):
             if id(t) not in skip and id(t) not in (self.written or ()):
@@ -168,31 +204,39 @@ class Reads:
                         del known[i]
 
     def bind(self) -> list[tuple[Any, Any]] | None:
-        """Put back the forward pass's tensors and ``training`` flags where the modules now
-        hold others ([ A recompute reads what its forward pass read ] 1 and 3); what
-        :meth:`unbind` takes to restore the modules' own, or None when nothing changed."""
+        """Put back the forward pass's tensors, ``training`` and ``requires_grad`` flags where
+        the modules now hold others ([ A recompute reads what its forward pass read ] 1, 3
+        and 4); what :meth:`unbind` takes to restore the modules' own, or None when nothing
+        changed. The tables are restored whole: what the recompute binds (a forward pass that
+        rebinds a buffer does so again) is undone with them."""
         changed: list[tuple[Any, Any]] = []
         if tuple([m.training for m in self.modules]) != self.flags:
             for module, training in zip(self.modules, self.flags, strict=True):
                 if module.training is not training:
                     changed.append((module, module.training))
                     module.training = training
+        for ref, grad in zip(self.own, self.grads, strict=True):
+            t = ref()
+            if t is not None and t.requires_grad is not grad and t.is_leaf:
+                changed.append((t, t.requires_grad))
+                t.requires_grad_(grad)
         for i, (table, held) in enumerate(zip(self.tables, self.held, strict=True)):
-            if len(table) != len(held) or not all(map(operator.is_, table.values(), held)):
-                if len(table) != len(held):
-                    self.unbind(changed)
-                    raise CheckpointError(
-                        f"remat: a {type(self.modules[i // 2]).__name__} in a "
-                        "checkpointed region has other parameters or buffers than in its "
-                        "forward pass (one was added or deleted since), so its recompute cannot "
-                        "run as the forward pass did. Change a model's parameters after "
-                        "backward, not between forward and backward. FullyShardedDataParallel "
-                        "(FSDP1) with use_orig_params=True does this itself: shard with "
-                        "fully_shard (FSDP2) or use_orig_params=False, or give the region a "
-                        "policy (the graph engine), with which it trains."
-                    )
-                changed.append((table, dict(table)))
-                table.update(zip(list(table), held, strict=True))
+            if len(table) != self.lengths[i]:
+                self.unbind(changed)
+                raise CheckpointError(
+                    f"remat: a {type(self.modules[i // 2]).__name__} in a "
+                    "checkpointed region has other parameters or buffers than in its "
+                    "forward pass (one was added or deleted since), so its recompute cannot "
+                    "run as the forward pass did. Change a model's parameters after "
+                    "backward, not between forward and backward. FullyShardedDataParallel "
+                    "(FSDP1) with use_orig_params=True does this itself: shard with "
+                    "fully_shard (FSDP2) or use_orig_params=False, or give the region a "
+                    "policy (the graph engine), with which it trains."
+                )
+            if len(table) != len(held) or not all(map(operator.is_, table.values(), held.values())):
+                changed.append((table, table.copy()))
+                table.clear()
+                table.update(held)
         return changed or None
 
     @staticmethod
@@ -201,13 +245,15 @@ class Reads:
         for owner, value in reversed(changed):
             if isinstance(owner, nn.Module):
                 owner.training = value
+            elif isinstance(owner, torch.Tensor):
+                owner.requires_grad_(value)
             else:
                 owner.clear()
                 owner.update(value)
 
     def describe(self, t: torch.Tensor) -> str:
         for i, (table, held) in enumerate(zip(self.tables, self.held, strict=True)):
-            for name, bound in zip(table, held, strict=False):
+            for name, bound in (*held.items(), *table.items()):
                 if bound is t:
                     kind = "buffer" if i % 2 else "parameter"
                     return f"the {kind} {name!r} of a {type(self.modules[i // 2]).__name__}"

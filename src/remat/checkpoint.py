@@ -384,11 +384,12 @@ class _Frame:
         self.calls.append(call)
         log = _OpLog(self.forward_ops) if self.forward_ops is not None else _NO_CONTEXT
         reach = Reachable(call.function, args, kwargs)
+        recomputing = _state.state.recomputing
+        reads = None if recomputing else Reads(reach)
         if reach.generators and call.ambient.replays_rng:
             call.generators = [(g, g.get_state()) for g in reach.generators]
         # Inside a recompute, a guard around this forward pass may hide its writes from the
         # version counters: then its own recompute is guarded too.
-        recomputing = _state.state.recomputing
         if not recomputing and wants_snapshot(call.keys):
             state = undo_state(reach, saved)
             call.snapshot = Undo(state) if state else None
@@ -400,7 +401,7 @@ class _Frame:
             log,
         ):
             out = call.function(*args, **kwargs)
-        if not recomputing:
+        if reads is not None:
             written = reach.changed()
             call.wrote = bool(written)
             call.writes = written
@@ -408,7 +409,8 @@ class _Frame:
             call.reached = reach.own_refs()
             # Arguments are checked where autograd saved them (or rebuilt, for links).
             arguments = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-            call.reads = Reads(reach, call.reached, written, [*arguments, *nested])
+            reads.forward_done(reach, call.reached, written, [*arguments, *nested])
+            call.reads = reads
         call.ambient.check_forward_done()
         return out
 
