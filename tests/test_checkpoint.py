@@ -896,6 +896,31 @@ def test_disable_checkpointing_runs_plainly() -> None:
     assert calls == [False]
 
 
+@pytest.mark.parametrize("inner_policy", [None, remat.policies.save_matmuls])
+def test_a_backward_under_disable_checkpointing_recomputes_nested_regions_as_forward_ran(
+    inner_policy: Any,
+) -> None:
+    """Checkpointing is switched off for the regions entered inside the block, not for the
+    recompute of a region entered before it: the nested region runs as a region again, as
+    in forward (it ran plainly, saved other tensors, and the recompute raised)."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    plain = copy.deepcopy(inner)
+    x = torch.randn(4, 8)
+    plain(x).tanh().square().mean().backward()
+    loss = (
+        remat.checkpoint(lambda t: remat.checkpoint(inner, t, policy=inner_policy).tanh(), x)
+        .square()
+        .mean()
+    )
+    with remat.disable_checkpointing():
+        loss.backward()
+    assert all(
+        torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+        for p, q in zip(plain.parameters(), inner.parameters(), strict=True)
+    )
+
+
 # -- lifetimes ----------------------------------------------------------------------------------
 
 
@@ -1265,6 +1290,30 @@ def test_three_nested_regions_of_either_engine_are_exact(outer: str, mid: str, i
         return [out, x.grad, w.grad]  # type: ignore[list-item]
 
     assert_equal(run(None), run((outer, mid, inner)), "outputs and grads")
+
+
+def test_the_outer_recording_is_current_again_after_a_region_under_torch_s_checkpoint() -> None:
+    """A graph region inside torch's checkpoint inside another records on its own; when it
+    ends, the outer recording is the current one again, so a tensor tagged after it is kept
+    by the outer policy (it was recomputed: the outer region had lost its recording)."""
+    torch.manual_seed(0)
+    l1, l2, l3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def inner(h: torch.Tensor) -> torch.Tensor:
+        with remat.region(policy=remat.policies.save_matmuls):
+            return l2(h).tanh()
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        with remat.region(policy=remat.policies.save_tagged("kept")):
+            h = torch.utils.checkpoint.checkpoint(inner, l1(x).tanh(), use_reentrant=False)
+            return remat.tag(l3(h), "kept").sin()  # sin saves the tagged tensor
+
+    x = torch.randn(4, 8, requires_grad=True)
+    rows = [r for r in remat.explain(body, x).rows if r.op == "addmm" and r.module == ""]
+    assert [r.decision for r in rows] == ["keep"]  # l3's output, tagged, saved by sin
+    plain_grads = torch.autograd.grad(l3(l2(l1(x).tanh()).tanh()).sin().sum(), [x, l1.weight])
+    grads = torch.autograd.grad(body(x).sum(), [x, l1.weight])
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads, strict=True))
 
 
 class _CTC(nn.Module):

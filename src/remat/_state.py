@@ -178,16 +178,18 @@ class frame_saves:
 
 
 class recomputing:
-    """Mark the code inside as a recompute (and not a region's forward pass)."""
+    """Mark the code inside as a recompute (and not a region's forward pass). Regions inside
+    run as they ran in the forward pass, where checkpointing was on: a backward run under
+    :func:`disable_checkpointing` does not turn them plain."""
 
     __slots__ = ("previous",)
 
     def __init__(self) -> None:
-        self.previous = (False, False)
+        self.previous = (False, False, False)
 
     def __enter__(self) -> None:
-        self.previous = (state.checkpointing, state.recomputing)
-        state.checkpointing, state.recomputing = False, True
+        self.previous = (state.checkpointing, state.recomputing, state.disabled)
+        state.checkpointing, state.recomputing, state.disabled = False, True, False
 
     def __exit__(self, *exc: object) -> None:
-        state.checkpointing, state.recomputing = self.previous
+        state.checkpointing, state.recomputing, state.disabled = self.previous

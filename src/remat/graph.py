@@ -910,7 +910,8 @@ def recording(
             drain(store)
         raise
     finally:
-        _state.state.graph = None
+        # The recording this region is nested in under torch's checkpoint, or None.
+        _state.state.graph = active
     graph.finish()
 
 
