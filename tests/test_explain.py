@@ -131,6 +131,9 @@ def test_bad_input() -> None:
     report = explain(nn.Linear(2, 2), torch.randn(1, 2))
     with pytest.raises(remat.RematError, match="cannot sort by 'size'"):
         report.sorted("size")  # type: ignore[arg-type]
+    # A forward pass under inference mode saves nothing: an empty report would mislead.
+    with torch.inference_mode(), pytest.raises(remat.RematError, match="inference_mode"):
+        explain(nn.Linear(2, 2), torch.randn(1, 2))
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])

@@ -478,6 +478,11 @@ def explain(
         )
     if _state.state.observer is not None:
         raise RematError("remat.explain: already explaining on this thread; calls do not nest.")
+    if torch.is_inference_mode_enabled():
+        raise RematError(
+            "remat.explain: called under torch.inference_mode(), where a forward pass saves "
+            "nothing for backward, so the report would be empty. Explain outside it."
+        )
     model_or_fn = unwrapped(model_or_fn)
     model = model_or_fn if isinstance(model_or_fn, nn.Module) else None
     modules = [""]
