@@ -864,13 +864,23 @@ def test_apply_predicate_returning_non_bool_raises(answer: Any) -> None:
     [
         (int, r"where=int is not an nn\.Module class"),
         ((Block, int), r"where holds classes that are not modules: \['int'\]"),
-        ("body", r"where must be a module class.*got str"),
+        ("body", r"where must be a module class.*got str\. .*where=\['body'\]"),
         (3, r"where must be a module class.*got int"),
+        ([Block], r"got list\. For several classes, pass a tuple"),
+        (lambda name, module, depth: True, r"predicate takes \(name, module, depth\)"),
     ],
 )
 def test_apply_bad_where_raises(where: Any, pattern: str) -> None:
     with pytest.raises(RematError, match=pattern):
         remat.apply(_net(), where)
+
+
+def test_apply_given_a_module_instance_names_its_class_and_path() -> None:
+    # A module is callable: taken for a predicate, its forward ran with (name, module).
+    model = _net()
+    with pytest.raises(RematError, match=r"module instance \(Block\).*Pass Block .*\['body\.2'\]"):
+        remat.apply(model, model.body[2])
+    assert _wrapped_names(model) == set()
 
 
 def test_apply_over_an_already_wrapped_module_is_all_or_nothing() -> None:
@@ -1339,3 +1349,42 @@ def test_fsdp1_with_original_parameters_names_itself_and_the_setups_that_train()
                 loss.backward()
     finally:
         dist.destroy_process_group()
+
+
+class _LazyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.LazyLinear(16), nn.Dropout(0.5), nn.LazyLinear(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+@pytest.mark.parametrize("policy", [None, remat.policies.recompute_everything])
+def test_a_lazy_module_in_a_region_is_refused_until_its_first_forward_made_it(
+    policy: Any,
+) -> None:
+    """A lazy module's first forward pass makes its parameters, drawing their values, which
+    a recompute would do again: the region engine refuses it with what to do, and after one
+    forward under no_grad a step equals a plain model's. The graph engine replays the ops it
+    recorded, the parameters made once, so it trains from the first step."""
+
+    def step(wrap: bool, dry_run: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(_LazyBlock(), nn.Linear(8, 1))
+        if wrap:
+            remat.apply(model, _LazyBlock, policy=policy)
+        x = torch.randn(4, 8)
+        if dry_run:
+            with torch.no_grad():
+                model(x)
+        torch.manual_seed(1)
+        model(x).square().mean().backward()
+        return [p.grad for p in model.parameters()]  # type: ignore[misc]
+
+    if policy is None:
+        with pytest.raises(RematError, match=r"lazy module \(LazyLinear\).*torch\.no_grad"):
+            step(wrap=True, dry_run=False)
+    for dry_run in [True] if policy is None else [False, True]:
+        expected, got = step(wrap=False, dry_run=dry_run), step(wrap=True, dry_run=dry_run)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))

@@ -88,6 +88,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
@@ -386,6 +388,8 @@ class _Frame:
         reach = Reachable(call.function, args, kwargs)
         recomputing = _state.state.recomputing
         reads = None if recomputing else Reads(reach)
+        if reads is not None and any(map(is_lazy, reach.tensors)):
+            raise _uninitialized(reads.modules)
         if reach.generators and call.ambient.replays_rng:
             call.generators = [(g, g.get_state()) for g in reach.generators]
         # Inside a recompute, a guard around this forward pass may hide its writes from the
@@ -1133,6 +1137,23 @@ def _drop_hooks_since(first: int, tensors: list[torch.Tensor]) -> None:
 
 def _alive(refs: list[weakref.ref[torch.Tensor]] | None) -> list[torch.Tensor]:
     return [t for ref in refs or () if (t := ref()) is not None]
+
+
+def _uninitialized(modules: list[nn.Module]) -> RematError:
+    lazy = {
+        type(m).__name__
+        for m in modules
+        for t in (*m._parameters.values(), *m._buffers.values())
+        if t is not None and is_lazy(t)
+    }
+    names = ", ".join(sorted(lazy)) or "a lazy tensor"
+    return RematError(
+        f"remat: a checkpointed region reaches a lazy module ({names}) whose parameters are "
+        "not made yet. Its first forward pass makes them and draws their initial values, "
+        "which a recompute cannot repeat. Run one forward pass first, under torch.no_grad() "
+        "(where regions run plainly), as lazy modules need before an optimizer is built "
+        "anyway."
+    )
 
 
 def _stale_read(t: torch.Tensor, reads: Reads | None) -> CheckpointError:

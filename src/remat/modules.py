@@ -210,8 +210,21 @@ def _matcher(where: Any, model: nn.Module) -> Callable[[str, nn.Module], bool]:
             )
         wanted = set(where)
         return lambda name, module: name in wanted
+    if isinstance(where, nn.Module):  # callable, but its forward is no predicate
+        name = next((n for n, m in model.named_modules() if m is where), None)
+        by_name = f"[{name!r}] (its qualified name)" if name is not None else "a list of names"
+        raise RematError(
+            f"remat.apply: where is a module instance ({type(where).__name__}); where selects "
+            f"submodules by class, predicate or name. Pass {type(where).__name__} for every "
+            f"module of its class, or {by_name} for this one."
+        )
     if callable(where):
         one_argument = _takes_one_argument(where)
+        if not one_argument and not _takes_two_arguments(where):
+            raise RematError(
+                f"remat.apply: the where predicate takes {_signature(where)}; it must take "
+                "(name, module) or, as torch's check_fn, (module), and return True or False."
+            )
 
         def predicate(name: str, module: nn.Module) -> bool:
             answer = where(module) if one_argument else where(name, module)
@@ -223,9 +236,14 @@ def _matcher(where: Any, model: nn.Module) -> Callable[[str, nn.Module], bool]:
             return answer
 
         return predicate
+    hint = ""
+    if isinstance(where, str):
+        hint = f" For one module by name, wrap it in a list: where=[{where!r}]."
+    elif isinstance(where, list) and where and all(isinstance(w, type) for w in where):
+        hint = " For several classes, pass a tuple: where=(A, B)."
     raise RematError(
         f"remat.apply: where must be a module class, a tuple of classes, a predicate "
-        f"(name, module) -> bool or a list of qualified names; got {type(where).__name__}."
+        f"(name, module) -> bool or a list of qualified names; got {type(where).__name__}." + hint
     )
 
 
@@ -473,6 +491,25 @@ def _takes_one_argument(function: Callable[..., Any]) -> bool:
     ]
     variadic = any(p.kind is p.VAR_POSITIONAL for p in parameters)
     return len(positional) == 1 and not variadic
+
+
+def _takes_two_arguments(function: Callable[..., Any]) -> bool:
+    """Whether ``function`` can be called with two positional arguments (or has no
+    signature to tell, as a builtin)."""
+    try:
+        inspect.signature(function).bind("", None)
+    except ValueError:
+        return True
+    except TypeError:
+        return False
+    return True
+
+
+def _signature(function: Callable[..., Any]) -> str:
+    try:
+        return str(inspect.signature(function))
+    except (TypeError, ValueError):
+        return "(?)"
 
 
 def _mode_options(
