@@ -125,6 +125,15 @@ def test_explain_a_plain_function() -> None:
     assert [(r.op, r.kind) for r in report.rows] == [("input", "input"), ("mm", "activation")]
 
 
+def test_a_function_running_one_model_has_its_rows_named_by_that_model() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    of_model = [(r.module, r.op) for r in explain(model, x).rows]
+    of_function = [(r.module, r.op) for r in explain(lambda t: model(t).sin(), x).rows]
+    assert of_function == [*of_model, ("", "addmm")]  # sin saves the model's output
+    assert {m for m, _ in of_model} == {"0", "1", "2"}
+
+
 def test_bad_input() -> None:
     with pytest.raises(remat.RematError, match="expected a module or a function, got int"):
         explain(3)  # type: ignore[arg-type]

@@ -502,7 +502,8 @@ def explain(
         with as_found(models, accelerators(tensors)):
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.enable_grad())
-                stack.enter_context(_module_stack(model, modules))
+                named = model if model is not None else _one_root(models)
+                stack.enter_context(_module_stack(named, modules))
                 hooks = torch.autograd.graph.saved_tensors_hooks(explainer.pack, _same)
                 stack.enter_context(hooks)
                 stack.enter_context(producers)
@@ -516,6 +517,15 @@ def explain(
     finally:
         _state.state.observer = None
     return SavedTensorReport(explainer.rows)
+
+
+def _one_root(modules: list[nn.Module]) -> nn.Module | None:
+    """The one module of ``modules`` that holds all the others, if there is one: a function
+    that runs one model (``lambda x: loss_fn(model(x), y)``) has its rows named by that
+    model's modules."""
+    inner = {id(c) for m in modules for c in m.modules() if c is not m}
+    roots = [m for m in modules if id(m) not in inner]
+    return roots[0] if len(roots) == 1 else None
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
