@@ -1048,21 +1048,27 @@ def test_bad_options_raise(kwargs: dict[str, Any], match: str) -> None:
 
 def test_an_option_the_function_also_takes_is_refused() -> None:
     """torch's checkpoint passes keywords it does not know to the function; remat's checkpoint
-    takes ``policy=`` and ``early_stop=`` itself. Code ported from torch that passes its own
-    ``policy`` argument gets an error naming the clash, not remat's option applied or a
-    missing argument."""
+    takes ``policy=`` itself. Code ported from torch that passes its own ``policy`` argument
+    gets an error naming the clash, not remat's option applied or a missing argument.
+    ``early_stop=`` is an option of torch's checkpoint too: both take it, and neither passes
+    it on, whatever the function's parameters."""
     net = nn.Linear(2, 2)
 
     def act(obs: torch.Tensor, policy: nn.Module) -> torch.Tensor:
         return policy(obs).tanh()
 
-    def stop(obs: torch.Tensor, early_stop: bool = False) -> torch.Tensor:
+    seen: list[bool] = []
+
+    def stop(obs: torch.Tensor, early_stop: bool = True) -> torch.Tensor:
+        seen.append(early_stop)
         return obs.sin()
 
     with pytest.raises(remat.RematError, match=r"policy= is an option of remat\.checkpoint, and"):
         remat.checkpoint(act, _leaf(3, 2), policy=remat.policies.save_matmuls)
-    with pytest.raises(remat.RematError, match=r"early_stop= is an option of remat\.checkpoint"):
-        remat.checkpoint(stop, _leaf(3, 2), early_stop=False)
+    torch_checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    for run in (remat.checkpoint, torch_checkpoint):
+        run(stop, _leaf(3, 2), early_stop=False).sum().backward()
+    assert seen == [True] * 4  # forward and recompute, under each
     # A module is never a policy, even for a function that takes **kwargs.
     with pytest.raises(remat.RematError, match=r"policy must be a callable .* got the module Line"):
         remat.checkpoint(lambda obs, **kw: kw["policy"](obs), _leaf(3, 2), policy=net)

@@ -475,12 +475,16 @@ def test_arguments_of_torch_and_fairscale_wrappers_say_how_to_port_them() -> Non
     impl = CheckpointImpl.NO_REENTRANT
     with pytest.raises(RematError, match=r"takes its checkpoint_impl second.*drop that argument"):
         remat.checkpoint_wrapper(nn.Linear(2, 2), impl)  # type: ignore[arg-type]
-    with pytest.raises(RematError, match=r"'checkpoint_impl'.*always non-reentrant: drop it"):
+    with pytest.raises(RematError, match=r"checkpoint_impl=.*always non-reentrant: drop it"):
         remat.checkpoint_wrapper(nn.Linear(2, 2), checkpoint_impl=impl)
-    with pytest.raises(RematError, match=r"'maintain_forward_counter'.*: drop it"):
+    with pytest.raises(RematError, match=r"maintain_forward_counter=.*: drop it"):
         remat.checkpoint_wrapper(nn.Linear(2, 2), maintain_forward_counter=True)
-    with pytest.raises(RematError, match=r"'auto_wrap_policy'.*as remat\.apply's second arg"):
+    with pytest.raises(RematError, match=r"auto_wrap_policy=.*as remat\.apply's second arg"):
         remat.apply(nn.Sequential(nn.Linear(2, 2)), nn.Linear, auto_wrap_policy=None)
+    # Not taken for a misspelt option of remat's: no "did you mean 'context_fn'".
+    with pytest.raises(RematError, match=r"checkpoint_fn= is not an option of remat's\. ") as e:
+        remat.checkpoint_wrapper(nn.Linear(2, 2), checkpoint_fn=torch.utils.checkpoint.checkpoint)
+    assert "did you mean" not in str(e.value)
 
 
 def test_a_context_fn_that_returns_one_context_manager_says_two_are_expected() -> None:
@@ -1141,6 +1145,12 @@ def test_apply_torchtitan_modes() -> None:
         remat.apply(_net(), Block, mode="selectve")  # type: ignore[arg-type]
     with pytest.raises(RematError, match="selective must be 'op' or a number of layers"):
         remat.apply(_net(), Block, mode="selective", selective="ops")
+    # Without mode="selective", selective= was ignored: every block wrapped, no policy.
+    for mode in (None, "full"):
+        model = _net()
+        with pytest.raises(RematError, match=r"selective=2 applies with mode='selective'"):
+            remat.apply(model, Block, mode=mode, selective=2)  # type: ignore[arg-type]
+        assert _wrapped_names(model) == set()
 
 
 def test_apply_selective_op_saves_less_than_plain_and_more_than_full() -> None:

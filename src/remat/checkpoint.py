@@ -726,10 +726,12 @@ class RegionOptions:
         names = (*(f.name for f in fields(cls)), "use_reentrant")
         unknown = [k for k in options if k not in names]
         if unknown:
-            ported = _PORTED.get(unknown[0], "")
+            name = unknown[0]
+            if name in _PORTED:  # an option of torch's or fairscale's wrapper, known here
+                raise RematError(f"{caller}: {name}= is not an option of remat's.{_PORTED[name]}")
             raise RematError(
-                f"{caller}: unknown option {unknown[0]!r}{did_you_mean(unknown[0], names)}; "
-                f"expected any of: {', '.join(names)}.{ported}"
+                f"{caller}: unknown option {name!r}{did_you_mean(name, names)}; "
+                f"expected any of: {', '.join(names)}."
             )
         use_reentrant = options.pop("use_reentrant", None)
         if use_reentrant is not None and use_reentrant is not False:
@@ -906,8 +908,8 @@ def checkpoint(
             f"{type(function).__name__}. Pass the function or module to run, then its inputs: "
             "remat.checkpoint(block, x)."
         )
-    if policy is not None or early_stop is not True:
-        _refuse_shadowed(function, policy is not None, early_stop is not True)
+    if policy is not None:
+        _refuse_shadowed(function)
     options = _options(
         preserve_rng_state, context_fn, determinism_check, early_stop, debug, use_reentrant, policy
     )
@@ -924,24 +926,24 @@ def _early_stop(option: bool) -> bool:
     )
 
 
-def _refuse_shadowed(function: Callable[..., Any], policy: bool, early_stop: bool) -> None:
-    """Raise where an option only remat's checkpoint has (``policy=``, ``early_stop=``) was
-    given and ``function`` names a parameter so: ``torch.utils.checkpoint`` passes unknown
-    keywords on to the function, so code ported from it may mean the function's."""
+def _refuse_shadowed(function: Callable[..., Any]) -> None:
+    """Raise where ``policy=``, an option torch's checkpoint does not have, was given and
+    ``function`` names a parameter so: ``torch.utils.checkpoint`` passes keywords it does not
+    know on to the function, so code ported from it may mean the function's. (``early_stop=``
+    is an option of torch's checkpoint too, which takes it as remat does.)"""
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):  # a builtin: nothing to read
         return
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    for name, given in (("policy", policy), ("early_stop", early_stop)):
-        if given and name in parameters and parameters[name].kind in named:
-            raise RematError(
-                f"remat.checkpoint: {name}= is an option of remat.checkpoint, and the function "
-                f"also takes a parameter {name!r} (torch.utils.checkpoint passes keywords it "
-                f"does not know on to the function). Pass the function's {name} positionally "
-                f"or bind it with functools.partial(function, {name}=...); remat's {name}= "
-                "then means remat's option."
-            )
+    if "policy" in parameters and parameters["policy"].kind in named:
+        raise RematError(
+            "remat.checkpoint: policy= is an option of remat.checkpoint, and the function also "
+            "takes a parameter 'policy' (torch.utils.checkpoint passes keywords it does not "
+            "know on to the function). Pass the function's policy positionally or bind it "
+            "with functools.partial(function, policy=...); remat's policy= then means remat's "
+            "option."
+        )
 
 
 def run_region(

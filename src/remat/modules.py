@@ -345,7 +345,7 @@ def apply(
     check_fn: Callable[[nn.Module], bool] | None = None,
     every: int = 1,
     mode: Mode | None = None,
-    selective: str | int = "op",
+    selective: str | int | None = None,
     offload_to_cpu: bool = False,
     **options: Any,
 ) -> nn.Module:
@@ -368,6 +368,8 @@ def apply(
             :func:`~remat.policies.save_matmuls`, torchtitan's op-level SAC); with
             ``selective=N`` (an int, or its string as in torchtitan's config) it checkpoints
             every N-th matching module fully.
+        selective: ``"op"`` (the default with ``mode="selective"``) or a number of layers;
+            given without ``mode="selective"``, it raises.
 
     Undo with :func:`unapply`. Example::
 
@@ -518,6 +520,12 @@ def _mode_options(
     """``every`` and the region options that torchtitan's ``mode`` and ``selective`` mean."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise RematError(f"remat.apply: every must be an int >= 1, got {every!r}.")
+    if (mode is None or mode == "full") and selective is not None:
+        raise RematError(
+            f"remat.apply: selective={selective!r} applies with mode='selective' (torchtitan's "
+            f"selective_ac_option), and mode is {mode!r}, under which it would be ignored. Pass "
+            "mode='selective' as well, or every=N for every N-th module."
+        )
     if mode is None or mode == "full":
         return every, options
     if mode != "selective":
@@ -525,7 +533,7 @@ def _mode_options(
             f"remat.apply: mode must be 'full' or 'selective', got {mode!r}"
             f"{did_you_mean(str(mode), _MODES)}."
         )
-    if selective == "op":
+    if selective is None or selective == "op":
         if "policy" in options:
             raise RematError(
                 "remat.apply: mode='selective' with selective='op' sets the policy "
