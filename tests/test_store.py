@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -1080,6 +1080,118 @@ def test_a_failed_write_is_raised_by_its_own_block_never_by_another_threads(
     for a, b in zip(other.parameters(), plain.parameters(), strict=True):
         assert a.grad is not None and torch.equal(a.grad, b.grad)
     assert all(p.grad is None for p in model.parameters())  # no backward of the failed step
+
+
+def test_an_in_place_write_in_another_threads_region_leaves_a_failed_write_to_its_block(
+    disk: remat.store.DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph-engine region that writes in place to a value it offloaded waits for that
+    value's write first (``Store.settle``). That wait once flushed the whole disk tier, so a
+    region on another thread raised the first thread's full disk, and the first thread's own
+    block then ended without error and failed in backward instead. Now the region runs as a
+    plain step does and the failure stays with the block that made it."""
+    import errno
+
+    from remat.store import _files
+
+    write_all = _files.write_all
+
+    def full_for_one_block(fd: int, view: Any) -> None:
+        if len(view) == 64 * 256 * 4:  # the tanh output of the first thread's block
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_all(fd, view)
+
+    monkeypatch.setattr(_files, "write_all", full_for_one_block)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 1))
+    w = torch.randn(24, 24, requires_grad=True)
+    w_plain = w.detach().clone().requires_grad_()
+    x, y = torch.randn(64, 16), torch.randn(8, 24)
+
+    def region(w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = y @ w
+        s = h.sin()  # saves h, offloaded by the policy (backward never reads it: plain
+        h.mul_(2)  # autograd runs this too); in place on the offloaded value: settles first
+        return h.sum() * s.detach().sum()
+
+    results: list[Any] = []
+
+    def other_step() -> None:  # another thread, same tier, while the first block runs
+        try:
+            policy = remat.policies.offload_everything("disk")
+            with remat.store.tiers(disk=disk):  # chosen per thread
+                loss = remat.checkpoint(region, w, y, policy=policy)
+                loss.backward()
+            results.append("ok")
+        except remat.RematError as error:
+            results.append(error)
+
+    with pytest.raises(remat.RematError, match="ENOSPC"), remat.offload(disk, min_bytes=0):
+        h = model[1](model[0](x))
+        wait_for(lambda: disk.stats.failed_writes == 1)
+        worker = threading.Thread(target=other_step)
+        worker.start()
+        worker.join()
+        model[2](h).sum()
+    assert results == ["ok"]
+    region(w_plain, y).backward()
+    assert w.grad is not None and w_plain.grad is not None and torch.equal(w.grad, w_plain.grad)
+    assert all(p.grad is None for p in model.parameters())  # no backward of the failed step
+
+
+class _SaveTwo(torch.autograd.Function):
+    """Saves both of its inputs; backward records whether they came back sharing memory."""
+
+    aliased: ClassVar[list[bool]] = []
+
+    @staticmethod
+    def forward(ctx: Any, big: torch.Tensor, small: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(big, small)
+        return (big * big).sum() + (small * small).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        big, small = ctx.saved_tensors
+        same = big.untyped_storage().data_ptr() == small.untyped_storage().data_ptr()
+        _SaveTwo.aliased.append(same)
+        return grad * 2 * big, grad * 2 * small
+
+
+@pytest.mark.parametrize("saved", ["the whole and a small view", "a small view alone"])
+def test_the_views_of_one_storage_are_moved_or_kept_together(
+    disk: remat.store.DiskTier, saved: str
+) -> None:
+    """``min_bytes`` is a storage's size, not a view's: a 64-byte view of a 1 MiB activation
+    holds the whole storage in memory, just as the whole does. Decided by the view's size, the
+    small view was kept while the whole went to disk: the 1 MiB stayed in memory and was
+    written out too, and backward got two tensors that no longer shared memory, where plain
+    autograd's saved views share it. Now both go, the activation's memory is freed after
+    forward, and the gradients are the plain ones."""
+    w = torch.randn(1024, 256, requires_grad=True)
+
+    def step(offloaded: bool) -> torch.Tensor:
+        w.grad = None
+        block = remat.offload(disk, min_bytes=1024) if offloaded else contextlib.nullcontext()
+        with block:
+            h = w * 2  # 1 MiB
+            small = h[0, :16]  # 64 bytes of it
+            if saved == "a small view alone":
+                loss = (small * small).sum() + h.sum()
+            else:
+                loss = _SaveTwo.apply(h, small)
+            storage = weakref.ref(h.untyped_storage())
+            del h, small
+        if offloaded:
+            assert storage() is None  # in the tier only, not in memory as well
+            assert disk.stats.bytes_written == 1024 * 256 * 4
+        loss.backward()
+        assert w.grad is not None
+        return w.grad.clone()
+
+    _SaveTwo.aliased.clear()
+    plain = step(False)
+    assert torch.equal(step(True), plain)
+    assert _SaveTwo.aliased in ([], [True, True])  # shared memory, with and without remat
 
 
 # ---------------------------------------------------------------------------------------------

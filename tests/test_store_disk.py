@@ -9,6 +9,7 @@ import errno
 import gc
 import os
 import pathlib
+import shutil
 import signal
 import stat
 import subprocess
@@ -653,6 +654,225 @@ def test_write_error_surfaces_from_get_of_the_failed_ticket(
     tier.flush()  # already reported by get
 
 
+def _refuse_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    """Every write fails with ``code`` before a byte is written, as ``open`` fails on a
+    read-only filesystem (``EROFS``) or in a directory that was removed (``ENOENT``)."""
+
+    def refused(path: pathlib.Path, data: torch.Tensor) -> None:
+        raise OSError(code, os.strerror(code), os.fspath(path))
+
+    monkeypatch.setattr(_files, "write_file", refused)
+
+
+@pytest.mark.parametrize("cleanup", ["EROFS", "EACCES", "EIO", "not an OSError"])
+def test_a_failed_write_whose_cleanup_fails_too_is_still_a_failure(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch, cleanup: str
+) -> None:
+    """On a filesystem remounted read-only, removing the failed write's partial file fails as
+    well. The failure to report is the write's: the removal's error once escaped the worker
+    instead, the write was counted as done, and the step failed only in backward, after
+    writing some gradients, blaming something that removed the tier's files."""
+    _refuse_writes(monkeypatch, errno.EROFS)
+    unlink = os.unlink
+    broken = [cleanup == "not an OSError"]  # a bug in the worker's cleanup, once
+
+    def refused_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).startswith(str(tier.directory)):
+            if broken.pop() if broken else False:
+                raise RuntimeError("the cleanup itself is broken")
+            code = getattr(errno, "EROFS" if cleanup == "not an OSError" else cleanup)
+            raise OSError(code, os.strerror(code), str(path))
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refused_unlink)
+    lost = tier.put(_bytes(100))
+    with pytest.raises(RematError, match="write failed") as info:
+        tier.flush()
+    message = str(info.value)
+    assert "EROFS" in message and "writable" in message and "larger disk" not in message
+    assert (tier.stats.failed_writes, tier.stats.files_written) == (1, 0)
+    with pytest.raises(RematError, match="write failed earlier"):
+        tier.get(lost, CPU)
+    tier.drop(lost)
+    monkeypatch.undo()  # writable again: the tier works
+    data = _bytes(1234)
+    assert torch.equal(tier.get(tier.put(data), CPU), data)
+
+
+def test_a_read_only_filesystem_fails_the_step_at_the_end_of_its_block(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole step: creating and removing files both fail with ``EROFS`` (a filesystem
+    remounted read-only). The block raises, before backward has written any gradient; once
+    the filesystem is writable again, the same step gives the plain step's gradients."""
+    model, plain = _deep_mlp(), _deep_mlp()
+    x = torch.randn(8, 256)
+    unlink = os.unlink
+    with DiskTier(tmp_path) as tier, remat.store.tiers(disk=tier):
+        directory = str(tier.directory)
+
+        def refused_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+            if str(path).startswith(directory):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            unlink(path, *args, **kwargs)
+
+        with monkeypatch.context() as patch:
+            _refuse_writes(patch, errno.EROFS)
+            patch.setattr(os, "unlink", refused_unlink)
+            with pytest.raises(RematError, match=r"EROFS.*takes no writes"):
+                with remat.offload("disk", min_bytes=0):
+                    loss = model(x).square().sum()
+                loss.backward()
+            assert all(p.grad is None for p in model.parameters())
+        _offloaded_step(model, x)
+        assert _files_in(tier) == []
+    plain(x).square().sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize(
+    ("code", "says", "never"),
+    [
+        ("ENOSPC", ["bytes are free there", "larger disk", "min_bytes="], []),
+        ("EDQUOT", ["quota", "larger disk"], []),
+        ("EROFS", ["read-only", "writable"], ["larger disk", "free there"]),
+        ("EACCES", ["permissions", "writable"], ["larger disk", "free there"]),
+        ("ENOENT", ["removed", "run the step again"], ["larger disk", "free there"]),
+        ("EIO", ["system log", "another directory"], ["larger disk", "free there"]),
+    ],
+)
+def test_a_write_error_says_what_it_means(
+    tier: DiskTier,
+    monkeypatch: pytest.MonkeyPatch,
+    code: str,
+    says: list[str],
+    never: list[str],
+) -> None:
+    """Only a full disk (or quota) is fixed by a larger disk: a read-only or removed directory
+    once got that advice too."""
+    _refuse_writes(monkeypatch, getattr(errno, code))
+    ticket = tier.put(_bytes(100))
+    with pytest.raises(RematError) as info:
+        tier.flush()
+    tier.drop(ticket)
+    message = str(info.value)
+    assert message.startswith("remat: the disk tier expected to write 100 bytes")
+    assert code in message and str(tier.directory) in message
+    for part in says:
+        assert part in message
+    for part in never:
+        assert part not in message
+
+
+def test_a_removed_directory_is_reported_as_removed_and_made_again(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A temporary-file cleaner removes the tier's directory in the middle of a step: the
+    write that finds it gone says so (not that the disk is full), the directory comes back,
+    private and locked against other processes' sweeps, and the tier works again; the file
+    written before is gone, and reading it says so."""
+    with DiskTier(tmp_path) as tier:
+        before = tier.put(_bytes(100))
+        tier.flush()
+        shutil.rmtree(tier.directory)
+        tier.put(_bytes(200))
+        with pytest.raises(RematError, match=r"ENOENT.*directory was gone") as info:
+            tier.flush()
+        assert "larger disk" not in str(info.value)
+        assert tier.directory.is_dir()
+        assert stat.S_IMODE(os.stat(tier.directory).st_mode) == 0o700
+        assert _files.sweep_stale(tier.directory.parent) == []  # it holds the lock again
+        assert tier.directory.is_dir()
+        data = _bytes(300)
+        assert torch.equal(tier.get(tier.put(data), CPU), data)
+        with pytest.raises(RematError, match=r"read failed.*directory was gone|removed"):
+            tier.get(before, CPU)
+    assert not os.path.exists(tier.directory)  # close removes the directory made again
+
+
+def test_a_read_that_finds_the_directory_gone_makes_it_again(tmp_path: pathlib.Path) -> None:
+    with DiskTier(tmp_path) as tier:
+        ticket = tier.put(_bytes(100))
+        tier.flush()
+        shutil.rmtree(tier.directory)
+        with pytest.raises(RematError, match=r"the tier's directory was gone.*run the step again"):
+            tier.get(ticket, CPU)
+        assert tier.directory.is_dir()
+        data = _bytes(300)
+        assert torch.equal(tier.get(tier.put(data), CPU), data)
+
+
+def test_steps_after_the_directory_was_removed_between_steps_run_as_plain(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Removed between two steps (the tier holds no file then), the directory is made again
+    by the next step's first write: that step and the ones after it give the plain gradients;
+    once, every later step failed with a message that said the disk was full."""
+    model, plain = _deep_mlp(), _deep_mlp()
+    x = torch.randn(8, 256)
+    with DiskTier(tmp_path) as tier, remat.store.tiers(disk=tier):
+        _offloaded_step(model, x)
+        plain(x).square().sum().backward()
+        for _ in range(2):
+            shutil.rmtree(tier.directory)
+            _offloaded_step(model, x)
+            plain(x).square().sum().backward()
+            for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+                assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+        assert tier.stats.failed_writes == 0
+        assert _files_in(tier) == []
+    assert not os.path.exists(tier.directory)
+
+
+def test_settle_waits_for_its_own_write_and_raises_no_failure(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``settle`` (the graph engine, before it writes in place to a value it offloaded) waits
+    for that value's write only and leaves every failure, of any thread, to the ``flush`` of
+    the block that made it: once the disk tier had no ``settle``, the store flushed the whole
+    tier instead, raising (and so taking away) other threads' failures."""
+    write_file = _files.write_file
+
+    def full_for_100(path: pathlib.Path, data: torch.Tensor) -> None:
+        if data.numel() == 100:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        write_file(path, data)
+
+    monkeypatch.setattr(_files, "write_file", full_for_100)
+    failed: list[object] = []
+    other_put = threading.Event()
+    settled = threading.Event()
+
+    def other_thread() -> None:  # puts a write that fails, reports it after the settle
+        failed.append(tier.put(_bytes(100)))
+        other_put.set()
+        assert settled.wait(5)
+        try:
+            tier.flush_thread()
+        except RematError as error:
+            failed.append(error)
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    assert other_put.wait(5)
+    mine = tier.put(_bytes(200))
+    lost = tier.put(_bytes(100))  # this thread's own failure: also not raised by settle
+    wait_for(lambda: tier.stats.failed_writes == 2)
+    tier.settle(mine)
+    assert (tier.directory / "00000001.bin").stat().st_size == 200  # written: settled
+    settled.set()
+    worker.join()
+    assert len(failed) == 2 and isinstance(failed[1], RematError)
+    assert "ENOSPC" in str(failed[1]) and "1 more write" not in str(failed[1])
+    with pytest.raises(RematError, match=r"write 100 bytes.*ENOSPC"):
+        tier.flush_thread()
+    tier.flush()  # each failure was reported once, to its own thread
+    assert torch.equal(tier.get(mine, CPU), _bytes(200))
+    for ticket in (mine, lost, failed[0]):
+        tier.drop(ticket)  # type: ignore[arg-type]
+
+
 def _mount_tiny_tmpfs(path: pathlib.Path) -> bool:
     if sys.platform != "linux":
         return False
@@ -729,6 +949,37 @@ def test_a_step_too_large_for_the_disk_fails_and_a_smaller_one_then_fits(
             gc.enable()
         subprocess.run(["umount", str(mount)], check=True, timeout=10)
     plain(small).square().sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+
+
+def test_a_filesystem_remounted_read_only_fails_the_step_in_forward(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A real read-only filesystem (Linux remounts one so after a disk error): creating the
+    file fails, and so does removing it. The step raises at the end of its block, before any
+    gradient is written; once the filesystem is writable again the next step is the plain one."""
+    mount = tmp_path / "tiny"
+    if not _mount_tiny_tmpfs(mount):
+        pytest.skip("cannot mount a tmpfs here (needs root on Linux)")
+    model, plain = _deep_mlp(), _deep_mlp()
+    x = torch.randn(8, 256)
+    try:
+        with DiskTier(mount) as tier, remat.store.tiers(disk=tier):
+            remount = ["mount", "-o", "remount,ro", str(mount)]
+            subprocess.run(remount, check=True, timeout=10)
+            try:
+                with pytest.raises(RematError, match=r"EROFS.*read-only"):
+                    _offloaded_step(model, x)
+            finally:
+                remount[2] = "remount,rw"
+                subprocess.run(remount, check=True, timeout=10)
+            assert all(p.grad is None for p in model.parameters())
+            _offloaded_step(model, x)
+            assert _files_in(tier) == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=True, timeout=10)
+    plain(x).square().sum().backward()
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
 

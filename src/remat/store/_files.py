@@ -103,29 +103,73 @@ def private_directory(root: str | os.PathLike[str] | None) -> pathlib.Path:
     sweep_stale(parent)
     while True:  # [1. create]
         name = f"{os.getpid()}-{secrets.token_hex(8)}"
-        staging, path = parent / f".{name}.new", parent / name
-        try:
-            _make_private(staging, exist_ok=False)
-        except FileExistsError:  # pragma: no cover - 64 random bits collided
-            continue
-        except FileNotFoundError:  # the last directory under it was removed, and it with it
-            _make_private(parent, exist_ok=True)
-            continue
-        fd = _try_lock(staging)
-        if fd is None:  # pragma: no cover - a sweep took it first, and removes it
-            continue
-        try:
-            os.rename(staging, path)
-        except FileNotFoundError:  # pragma: no cover - a sweep removed it before our lock
-            os.close(fd)
-            continue
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            os.close(fd)
-            raise
-        break
+        fd = _create_locked(parent, name)
+        if fd is not None:
+            break
+    path = parent / name
     _register(path, fd)
     return path
+
+
+def _create_locked(parent: pathlib.Path, name: str) -> int | None:
+    """Make ``parent / name``, mode ``0o700``, holding its lock ([1. create]); the locked
+    descriptor, or ``None`` when the attempt lost a race and should be made again."""
+    staging, path = parent / f".{name}.new", parent / name
+    try:
+        _make_private(staging, exist_ok=False)
+    except FileExistsError:  # pragma: no cover - 64 random bits collided
+        return None
+    except FileNotFoundError:  # the last directory under it was removed, and it with it
+        _make_private(parent, exist_ok=True)
+        return None
+    fd = _try_lock(staging)
+    if fd is None:  # pragma: no cover - a sweep took it first, and removes it
+        return None
+    try:
+        os.rename(staging, path)
+    except FileNotFoundError:  # pragma: no cover - a sweep removed it before our lock
+        os.close(fd)
+        return None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.close(fd)
+        raise
+    return fd
+
+
+def restore_private_directory(path: pathlib.Path) -> bool:
+    """Make *path* again, a private directory of this process that something else removed (a
+    temporary-file cleaner); whether it did. Nothing is done for a directory that is there, or
+    that is not this process's (a forked child's copy of a tier, or one already removed by
+    ``remove_private_directory``). The directory comes back under its name, locked as at
+    [1. create], so that a sweep of another process never takes it for a dead owner's.
+
+    Raises ``OSError`` (or ``RematError`` for a parent that is not ours) when it cannot.
+    """
+    with _lock:
+        owner, _ = _live.get(path, (-1, -1))
+    if owner != os.getpid() or os.path.isdir(path):
+        return False
+    parent = path.parent
+    parent.parent.mkdir(parents=True, exist_ok=True)
+    _make_private(parent, exist_ok=True)
+    for _ in range(3):
+        fd = _create_locked(parent, path.name)
+        if fd is not None:
+            break
+    else:  # pragma: no cover - lost every race, or a stale staging directory is in the way
+        raise OSError(errno.EEXIST, "could not make the directory again", os.fspath(path))
+    with _lock:
+        if path in _live:
+            stale = _live[path][1]
+            _live[path] = (owner, fd)
+            fd = stale  # the descriptor of the removed directory: its lock guards nothing
+        else:  # removed by close() meanwhile
+            shutil.rmtree(path, ignore_errors=True)
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    return True
 
 
 def sweep_stale(parent: pathlib.Path) -> list[pathlib.Path]:
@@ -285,7 +329,11 @@ def read_file(path: pathlib.Path, out: torch.Tensor) -> torch.Tensor:
 
 
 def unlink_quietly(path: pathlib.Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    """Remove the file at *path* if it can be removed; never raises ``OSError``. The tier calls
+    it to clean up after a failure (which it reports itself, and which a failing removal, on a
+    filesystem remounted read-only, must not hide) and from finalizers (which must not raise):
+    a file that stays is removed with the directory, at ``close()`` or exit."""
+    with contextlib.suppress(OSError):
         os.unlink(path)
 
 

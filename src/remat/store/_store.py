@@ -312,12 +312,19 @@ class Store:
         return functools.partial(self.tier.drop, stored.ticket)
 
     def settle(self, saved: Saved) -> None:
-        """Before ``saved``'s source is written in place: let its copy out finish first."""
+        """Before ``saved``'s source is written in place: let its copy out finish first.
+
+        A tier's ``settle`` waits for that one ticket and raises nothing: a failed write is
+        raised at the end of the scope that made it (Step 3), never by a settle in another
+        thread's region, which would take the failure from its own step. A tier without
+        ``settle`` is flushed instead: its ``flush_thread`` (this thread's writes, this one
+        included) where it has one, else its ``flush``."""
         settle = getattr(self.tier, "settle", None)
         if settle is not None:
             settle(saved.stored.ticket)
         else:
-            self.tier.flush()  # waits for every write, this one included
+            flush = getattr(self.tier, "flush_thread", None) or self.tier.flush
+            flush()
 
     def flush(self) -> None:
         """End of an offload scope (Step 3), in the thread that ran it: raises the failures

@@ -38,7 +38,10 @@ class Tier(Protocol):
     :class:`~remat.RematError`; ``close()`` drops everything and frees the tier's resources.
     A tier may also offer ``flush_thread()``, the same for the puts of the calling thread
     only; the store's flush at the end of an offload scope prefers it, so that a failure is
-    raised by the step that made the write and by no other thread's.
+    raised by the step that made the write and by no other thread's. And ``settle(ticket)``:
+    wait until the copy or write of one ticket has read its source (which is about to be
+    written in place), raising nothing, so that failures stay with the scope that owns them;
+    without it, the store flushes instead.
     """
 
     name: str

@@ -43,21 +43,27 @@ state (``_Shared``), never the tier itself, so a forgotten tier is collected at 
    [ Finalizers and the store's locks ] in ``_section.py``). A forked child that drops its
    copy of a ticket removes nothing: no file is removed by a process other than the tier's
    owner (``_Shared.unlink``), as ``close`` removes nothing there either.
-6. **error**: a write that raises (``ENOSPC``, ``EDQUOT``, ``EFBIG``...) removes its partial
-   file and records a :class:`~remat.RematError` naming the directory, the bytes, the free
-   space and the fix. The failure belongs to the thread that put the ticket (its
-   ``_Owner``): that thread's next ``put`` or ``get``, or ``flush_thread`` (the store's flush
-   at the end of an offload block or region), raises it, exactly once; ``flush`` raises
-   every thread's. So two threads stepping on one tier (the process-wide default) never get
-   each other's failures: a failed step raises at the end of its own block, before its
-   backward. Before raising, it waits for the thread's writes still running, so that one
-   report covers every failure so far (several are reported together) and none surfaces
-   later in an unrelated call, such as the retry of the step that failed; a ``get`` of the
-   failed ticket itself always raises.
-   What is raised is a fresh copy of the recorded error, whose cause (the ``OSError``) keeps
-   no traceback: the ticket records the error, and a raised error's traceback holds the frames
-   of the failed step, whose tensors hold the ticket. Either link would close a cycle that
-   keeps the step's files on disk (and the retry failing for want of space) until the garbage
+6. **error**: a write that raises (``ENOSPC``, ``EDQUOT``, ``EROFS``, ``ENOENT``...) records a
+   :class:`~remat.RematError` naming the directory, the bytes and what the error means for the
+   user: room for a full disk or quota, a writable directory for a read-only one, and for a
+   removed directory (10) what happened to it. The error is made first, then the partial file
+   removed if it can be: on a filesystem remounted read-only the removal fails too, and must
+   not take the failure's place. Anything raised in between is a failure of the ticket as well:
+   a worker's exception reaches no one, and a write it ended would count as done. The failure
+   belongs to the thread that put the ticket (its ``_Owner``): that thread's next ``put`` or
+   ``get``, or ``flush_thread`` (the store's flush at the end of an offload block or region),
+   raises it, exactly once; ``flush`` raises every thread's; ``settle`` (the graph engine,
+   before writing in place to a value whose write may still run) waits for that one ticket's
+   write and raises none. So two threads stepping on one tier (the process-wide default) never
+   get each other's failures: a failed step raises at the end of its own block, before its
+   backward. Before raising, it waits for the thread's writes still running, so that one report
+   covers every failure so far (several are reported together) and none surfaces later in an
+   unrelated call, such as the retry of the step that failed; a ``get`` of the failed ticket
+   itself always raises.
+   What is raised is a fresh copy of the recorded error, whose cause (the ``OSError``) keeps no
+   traceback: the ticket records the error, and a raised error's traceback holds the frames of
+   the failed step, whose tensors hold the ticket. Either link would close a cycle that keeps
+   the step's files on disk (and the retry failing for want of space) until the garbage
    collector happens to run; without them, the files go when the step's tensors do.
 7. **close**: waits for running I/O, cancels queued I/O, removes every file and the directory.
    ``with DiskTier() as tier:`` closes on an exception too; a tier that is never closed is
@@ -70,6 +76,14 @@ state (``_Shared``), never the tier itself, so a forgotten tier is collected at 
    directory, and the next process creating a directory under the same parent removes every
    directory whose lock it can take (``_files.sweep_stale``; NOTE [ Who is alive: a lock, not
    a pid ] in ``_files.py``), whatever PID namespace either process runs in.
+10. **removed**: something else removes the directory while the tier lives (a temporary-file
+   cleaner, a cleanup script; the default tier lives in the system's temporary directory).
+   Its files are lost, and without the directory every later write would fail. The tier
+   makes it again under its name, locked as at creation (``_files.restore_private_directory``),
+   so that other processes' sweeps leave it alone: in ``put`` when the tier holds no ticket
+   (between steps: one ``stat`` a step, and the step notices nothing), and after a write or
+   read that failed for want of it (a step that had files there fails, saying so, and the
+   next one runs).
 
 
 NOTE [ Memory the allocator sees ]
@@ -91,6 +105,7 @@ made the step look larger than it is, the second smaller.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -117,6 +132,11 @@ _FIX = (
     "Fix: pass a directory on a larger disk with DiskTier(directory=...), or offload less "
     "(raise min_bytes=)."
 )
+# Errors that say the disk (or the user's quota on it) is full: the fix is room.
+_NO_SPACE = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, n))
+# Errors that say the directory takes no writes: a filesystem remounted read-only (ext4's
+# reaction to a disk error), or permissions changed under the tier.
+_NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 @dataclasses.dataclass
@@ -154,12 +174,13 @@ class _Owner:
 
 
 class _Failure:
-    """A write that failed, not yet reported."""
+    """A write that failed, not yet reported; ``fix`` ends the message of ``error``."""
 
-    __slots__ = ("error", "nbytes", "owner")
+    __slots__ = ("error", "fix", "nbytes", "owner")
 
-    def __init__(self, error: RematError, nbytes: int, owner: _Owner) -> None:
+    def __init__(self, error: RematError, fix: str, nbytes: int, owner: _Owner) -> None:
         self.error = error
+        self.fix = fix
         self.nbytes = nbytes
         self.owner = owner
 
@@ -292,12 +313,12 @@ class _Shared:
         self.errors[:] = [f for f in self.errors if not mine(f)]
         if not failures:  # closed meanwhile
             return
-        first, rest = failures[0].error, failures[1:]
+        first, rest = failures[0], failures[1:]
         if not rest:
-            raise _raisable(first)
+            raise _raisable(first.error)
         more = sum(f.nbytes for f in rest)
-        also = f"{len(rest)} more write(s), {more} bytes in all, failed too. {_FIX}"
-        raise _raisable(first, str(first).replace(_FIX, also))
+        also = f"{len(rest)} more write(s), {more} bytes in all, failed too. {first.fix}"
+        raise _raisable(first.error, str(first.error).replace(first.fix, also))
 
     def begin_locked(self, kind: str) -> float:
         now = time.perf_counter()
@@ -323,6 +344,16 @@ class _Shared:
             if nbytes is not None:
                 stats.bytes_read += nbytes
                 stats.files_read += 1
+
+    def restore_locked(self) -> None:
+        """Make the tier's directory again if something removed it (a temporary-file cleaner
+        such as systemd-tmpfiles, a cleanup script), so that the next writes find it: see
+        [10. removed]. Never raises: a directory that cannot be made again makes the next
+        write fail, with its own error."""
+        if self.closed or not self.owns_files():
+            return
+        with contextlib.suppress(OSError, RematError):
+            _files.restore_private_directory(self.directory)
 
     def drop_locked(self, ticket: _DiskTicket) -> After:
         """``DiskTier.drop``, under the section; returns the removal of the file, if no I/O
@@ -458,6 +489,8 @@ class DiskTier:
         with shared.section:
             waited = False
             owner = shared.owner()
+            if not shared.tickets:  # idle, no file to lose: a removed directory comes back
+                shared.restore_locked()  # ([10. removed]); one stat a step otherwise
             while True:
                 shared.check_open_locked()
                 shared.raise_errors_locked(owner)
@@ -522,7 +555,7 @@ class DiskTier:
             shared.raise_errors_locked(shared.owner())
             load, ticket.load = ticket.load, None
             buffer, ticket.buffer = ticket.buffer, None
-        out = buffer if load is not None and _result(load, ticket) else None
+        out = buffer if load is not None and _result(shared, load, ticket) else None
         if out is None:
             out = self._read_now(ticket, device)
         return out if out.device == device else out.to(device)
@@ -546,6 +579,18 @@ class DiskTier:
         shared.release()
         with shared.section:
             shared.raise_errors_locked(None)
+
+    def settle(self, ticket: Ticket) -> None:
+        """Wait until the write of *ticket* has read its bytes (before its source is written
+        in place; ``Store.settle``). Raises nothing, not even this write's failure: every
+        failure stays recorded for the thread that put its ticket, which raises it at the end
+        of its own block (see [6. error]); a settle made by another thread, or by the graph
+        engine in the middle of a region, must not take it from there."""
+        shared = self._shared
+        with shared.section:
+            if isinstance(ticket, _DiskTicket):
+                shared.cond.wait_for(lambda: not ticket.writing or shared.closed)
+        shared.release()
 
     def flush_thread(self) -> None:
         """``flush``, for the writes the calling thread put only: waits for them and raises
@@ -592,7 +637,7 @@ class DiskTier:
         try:
             out = _files.read_file(ticket.path, _empty(ticket.nbytes, device))
         except OSError as exc:
-            raise _read_error(ticket, exc) from exc
+            raise _read_error(shared, ticket, exc) from exc
         finally:
             with shared.section:
                 shared.end_locked("read", start, None if out is None else ticket.nbytes)
@@ -642,27 +687,43 @@ def _empty(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
-def _result(load: concurrent.futures.Future[bool], ticket: _DiskTicket) -> bool:
+def _result(shared: _Shared, load: concurrent.futures.Future[bool], ticket: _DiskTicket) -> bool:
     try:
         return load.result()
     except OSError as exc:
-        raise _read_error(ticket, exc) from exc
+        raise _read_error(shared, ticket, exc) from exc
 
 
 def _write(shared: _Shared, ticket: _DiskTicket) -> None:
-    """Worker: write one ticket's file; see [2. written] and [6. error]."""
+    """Worker: write one ticket's file; see [2. written] and [6. error]. Whatever goes wrong
+    between taking the ticket and recording its outcome is a failure of this ticket: nothing
+    a worker raises reaches anyone (its future is never read), so a failure that escaped here
+    would be lost, and the write taken for a success."""
     with shared.section:
         data, nbytes = ticket.data, ticket.nbytes
         skip = data is None or ticket.dropped
         start = 0.0 if skip else shared.begin_locked("write")
-    error: RematError | None = None
+    failure: tuple[RematError, str] | None = None
     try:
         if data is not None and not skip:
             try:
                 _files.write_file(ticket.path, data)
-            except Exception as exc:
+            except BaseException as exc:
+                failure = _write_error(shared.directory, nbytes, exc)  # first: see below
+                # Cleanup: a partial file that cannot be removed (the filesystem went
+                # read-only, which fails the removal too) stays until the directory goes;
+                # the failure recorded above is what gets reported.
                 shared.unlink(ticket.path)
-                error = _write_error(shared.directory, nbytes, exc)
+                if _errno(exc) == errno.ENOENT:  # the directory is gone: [10. removed]
+                    with shared.section:
+                        shared.restore_locked()
+                if not isinstance(exc, Exception):
+                    raise  # KeyboardInterrupt, SystemExit (an inline write, at shutdown)
+    except BaseException as exc:
+        if failure is None:  # a failure of the cleanup itself, or in describing the failure
+            failure = _write_error(shared.directory, nbytes, exc)
+        if not isinstance(exc, Exception):
+            raise
     finally:
         del data  # the ticket still holds it: the caller lets go (see [2. written])
         with shared.section:
@@ -673,12 +734,13 @@ def _write(shared: _Shared, ticket: _DiskTicket) -> None:
             ticket.writing = False
             shared.stats.pending_bytes -= nbytes
             if not skip:
-                shared.end_locked("write", start, None if error else nbytes)
-            if error is not None:
+                shared.end_locked("write", start, None if failure else nbytes)
+            if failure is not None:
+                error, fix = failure
                 ticket.error = error
                 shared.stats.failed_writes += 1
                 if not shared.closed:
-                    shared.errors.append(_Failure(error, nbytes, ticket.owner))
+                    shared.errors.append(_Failure(error, fix, nbytes, ticket.owner))
             remove = shared.finish_io_locked(ticket)
         # The write ends when the file of a ticket dropped meanwhile is gone: ``flush`` waits for
         # that too, so no file outlives a flush after its drop.
@@ -721,19 +783,59 @@ def _load(shared: _Shared, ticket: _DiskTicket) -> bool:
             shared.unlink(ticket.path)
 
 
-def _write_error(directory: pathlib.Path, nbytes: int, exc: Exception) -> RematError:
-    try:
-        free = f"{shutil.disk_usage(directory).free} bytes are free there"
-    except OSError:
-        free = "its free space is unknown"
+def _errno(exc: BaseException) -> int | None:
+    return exc.errno if isinstance(exc, OSError) else None
+
+
+def _write_error(
+    directory: pathlib.Path, nbytes: int, exc: BaseException
+) -> tuple[RematError, str]:
+    """The error recorded for a failed write, and its last sentence (the fix), worded by what
+    the failure says about the directory. Never raises: it runs in the worker's handler of
+    that failure (see ``_write``)."""
+    code = _errno(exc)
     reason = (
-        f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}"
-        if isinstance(exc, OSError) and exc.errno is not None
+        f"{errno.errorcode.get(code, code)}: {exc.strerror}"
+        if isinstance(exc, OSError) and code is not None
         else repr(exc)
     )
+    if code == errno.ENOENT:
+        found = (
+            "the tier's directory was gone: something other than remat removed it while the "
+            "tier used it (a temporary-file cleaner such as systemd-tmpfiles or tmpwatch, a "
+            "cleanup script), and with it the files this step had written there. remat makes "
+            "the directory again for the writes that follow"
+        )
+        fix = (
+            "Fix: run the step again; to keep it from recurring, keep the cleaner out of that "
+            "directory or pass one it leaves alone with DiskTier(directory=...)."
+        )
+    elif code in _NOT_WRITABLE:
+        found = (
+            "the directory takes no writes: its filesystem is read-only (Linux remounts a "
+            "filesystem read-only after a disk error) or its permissions changed"
+        )
+        fix = (
+            f"Fix: make {directory} writable again (check the system log for disk errors), "
+            f"or pass a writable directory with DiskTier(directory=...)."
+        )
+    elif code in _NO_SPACE:
+        try:
+            found = f"{shutil.disk_usage(directory).free} bytes are free there"
+        except Exception:  # describing the failure must not fail
+            found = "its free space is unknown"
+        if code == getattr(errno, "EDQUOT", None):
+            found += ", but your disk quota is used up"
+        fix = _FIX
+    else:
+        found = "the disk or its filesystem reported an error"
+        fix = (
+            "Fix: check the disk behind that directory (the system log names I/O errors), or "
+            "pass another directory with DiskTier(directory=...)."
+        )
     error = RematError(
         f"remat: the disk tier expected to write {nbytes} bytes ({nbytes / 2**20:.1f} MiB) to "
-        f"{directory}, but the write failed ({reason}); {free}. {_FIX}"
+        f"{directory}, but the write failed ({reason}); {found}. {fix}"
     )
     # See [6. error]: the cause keeps no frame, so it holds neither the bytes nor the ticket.
     cause: BaseException | None = exc
@@ -741,7 +843,7 @@ def _write_error(directory: pathlib.Path, nbytes: int, exc: Exception) -> RematE
         cause.__traceback__ = None
         cause = cause.__cause__ or cause.__context__
     error.__cause__ = exc
-    return error
+    return error, fix
 
 
 def _raisable(error: RematError, message: str | None = None) -> RematError:
@@ -756,9 +858,23 @@ def _raisable(error: RematError, message: str | None = None) -> RematError:
     return fresh
 
 
-def _read_error(ticket: _DiskTicket, exc: OSError) -> RematError:
+def _read_error(shared: _Shared, ticket: _DiskTicket, exc: OSError) -> RematError:
+    """The error for a failed read, in the caller's thread; a removed directory is made again
+    for the steps that follow ([10. removed])."""
+    if os.path.isdir(shared.directory):
+        return RematError(
+            f"remat: expected to read {ticket.nbytes} bytes back from {ticket.path}, but the "
+            f"read failed ({exc}). Something removed or truncated the tier's files while it "
+            f"ran; keep other processes out of its directory."
+        )
+    with shared.section:
+        shared.restore_locked()
     return RematError(
         f"remat: expected to read {ticket.nbytes} bytes back from {ticket.path}, but the read "
-        f"failed ({exc}). Something removed or truncated the tier's files while it ran; keep "
-        f"other processes out of its directory."
+        f"failed ({exc}): the tier's directory was gone, removed while the tier used it by "
+        f"something other than remat (a temporary-file cleaner such as systemd-tmpfiles or "
+        f"tmpwatch, a cleanup script), with the files of this step. remat makes the directory "
+        f"again for the steps that follow. Fix: run the step again; to keep it from recurring, "
+        f"keep the cleaner out of that directory or pass one it leaves alone with "
+        f"DiskTier(directory=...)."
     )

@@ -148,11 +148,20 @@ class Scope:
         self.buffers: dict[int, weakref.ref[torch.UntypedStorage]] = {}
 
     def wants(self, t: torch.Tensor) -> bool:
+        """Whether the block moves ``t``: decided by its *storage*, which is what the store
+        moves (NOTE [ Life of an offloaded tensor ] in ``_store.py``) and what a saved view
+        holds alive, so that every view of one storage gets one decision. Decided by the
+        view's own bytes, a 64-byte view of a 1 MiB activation saved next to the whole of it
+        would be kept while the whole went to the tier: the storage held in memory and in the
+        tier, and the two back in backward sharing no memory, where autograd's saved views
+        share it."""
         if self.outlives(t):
             return False  # model state and inputs live on anyway: moving them frees nothing
-        nbytes = t.numel() * t.element_size()
-        # An empty tensor (cuDNN's BatchNorm saves an empty reserve) has nothing to move.
-        return nbytes > 0 and self.store.takes(t) and nbytes >= self.min_bytes
+        if not self.store.takes(t):
+            return False
+        nbytes = _storage_bytes(t)
+        # An empty storage (cuDNN's BatchNorm saves an empty reserve) has nothing to move.
+        return nbytes > 0 and nbytes >= self.min_bytes
 
     def outlives(self, t: torch.Tensor) -> bool:
         """Whether ``t`` outlives the step: see :func:`outlives_the_step`, or it is a buffer
@@ -171,6 +180,14 @@ class Scope:
             if buffer is not None and buffer.layout is torch.strided and not buffer.is_meta:
                 storage = buffer.untyped_storage()
                 self.buffers[storage._cdata] = weakref.ref(storage)
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s storage (of ``t`` itself for a tensor without one)."""
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # no storage to ask (a subclass, a meta view)
+        return t.numel() * t.element_size()
 
 
 def outlives_the_step(t: torch.Tensor) -> bool:
@@ -198,7 +215,8 @@ def offload(
 ) -> contextlib.AbstractContextManager[None]:
     """Offload what the block saves for backward to ``tier``, until backward needs it.
 
-    Every tensor autograd saves inside the block, of at least ``min_bytes``, goes to the tier
+    Every tensor autograd saves inside the block whose storage holds at least ``min_bytes``
+    (a view counts the storage it views, which the tier moves whole), goes to the tier
     (``"host"``: pinned host memory, for accelerator tensors; ``"disk"``: files in a private
     directory, for any tensor) and is brought back in backward, ``prefetch`` tensors ahead
     (default 2; the setting holds for what this block stores, not for later blocks). What
@@ -335,9 +353,10 @@ def _why_not(scope: Scope, t: torch.Tensor) -> str:
         return "a leaf that requires grad, alive anyway"
     if scope.outlives(t):
         return "a module's buffer (or a view of one), alive anyway"
-    if t.numel() == 0:
+    nbytes = _storage_bytes(t)
+    if nbytes == 0:
         return "empty: nothing to move"
-    return f"smaller than min_bytes={scope.min_bytes}"
+    return f"its storage ({nbytes} bytes) is smaller than min_bytes={scope.min_bytes}"
 
 
 class _Kept:
