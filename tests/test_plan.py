@@ -2252,3 +2252,100 @@ def test_a_step_that_runs_a_collective_is_refused_before_planning() -> None:
         model(x).sum().backward()
     finally:
         dist.destroy_process_group()
+
+
+def test_planning_puts_back_what_the_loss_fn_and_the_example_inputs_hold() -> None:
+    """``remat.plan`` runs whole steps with the user's ``loss_fn`` and example inputs. A head
+    kept outside the model and used in ``loss_fn`` (its gradients, one set and one ``None``,
+    and its BatchNorm statistics) and an example input that requires grad are found as they
+    were after planning, as the model is; a loop that accumulates into ``.grad`` then trains
+    bit-equal to one that never planned (NOTE [ Putting a model back ] 4 in ``_found.py``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(3))
+    )
+    head = nn.Sequential(nn.Linear(32, 10), nn.BatchNorm1d(10))
+    y = torch.randint(0, 10, (64,))
+    x = torch.randn(64, 32, requires_grad=True)
+    plain_model, plain_head = copy.deepcopy(model), copy.deepcopy(head)
+    head[1].weight.grad = torch.full_like(head[1].weight, 0.5)
+    plain_head[1].weight.grad = torch.full_like(head[1].weight, 0.5)
+    grad = head[1].weight.grad
+    buffers = {n: b.clone() for n, b in head.named_buffers()}
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(head(out), y)
+
+    remat.plan(model, x, budget="100%", loss_fn=loss_fn, repeats=0)
+    assert x.grad is None
+    assert head[0].weight.grad is None and head[0].bias.grad is None
+    assert head[1].weight.grad is grad and torch.equal(grad, torch.full_like(grad, 0.5))
+    assert all(p.grad is None for p in model.parameters())
+    assert_equal(buffers, {n: b for n, b in head.named_buffers()})
+
+    def loop(m: nn.Module, h: nn.Module) -> list[torch.Tensor]:
+        opt = torch.optim.SGD([*m.parameters(), *h.parameters()], lr=0.1)
+        torch.manual_seed(1)
+        for _ in range(2):
+            nn.functional.cross_entropy(h(m(torch.randn(64, 32))), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return [t.detach().clone() for t in (*m.parameters(), *h.parameters(), *h.buffers())]
+
+    assert_equal(loop(plain_model, plain_head), loop(model, head))
+
+
+def test_explain_and_plan_put_pythons_and_numpys_random_state_back() -> None:
+    """A forward that draws from Python's ``random`` and NumPy's global generator (LayerDrop
+    as Hugging Face's wav2vec2 and WavLM draw it): ``remat.explain`` and ``remat.plan`` leave
+    both as found, and a loop seeded before them trains bit-equal to one that never called
+    them."""
+    import random
+
+    np = pytest.importorskip("numpy")
+
+    class _LayerDrop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i, layer in enumerate(self.layers):
+                draw = np.random.random() if i % 2 else random.random()
+                if self.training and draw < 0.3:
+                    continue
+                x = x + layer(x)
+            return x
+
+    def seed_all() -> None:
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+
+    def loop(m: nn.Module) -> list[torch.Tensor]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(4):
+            m(torch.randn(16, 32)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in m.parameters()]
+
+    torch.manual_seed(0)
+    base = _LayerDrop()
+    x = torch.randn(16, 32)
+    seed_all()
+    expected = loop(copy.deepcopy(base))
+    for tool in ("explain", "plan"):
+        model = copy.deepcopy(base)
+        seed_all()
+        python, numpy = random.getstate(), np.random.get_state()
+        if tool == "explain":
+            remat.explain(model, x)
+        else:
+            remat.plan(model, x, budget="100%", loss_fn=lambda o: o.square().mean(), repeats=0)
+        assert random.getstate() == python, tool
+        now = np.random.get_state()
+        assert (now[1] == numpy[1]).all() and now[2:] == numpy[2:], tool
+        assert_equal(expected, loop(model), tool)

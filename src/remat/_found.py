@@ -19,17 +19,29 @@ how each is put back:
    during the pass is removed.
 3. Random state: the CPU generator, the default generators of the accelerators the model and
    its inputs use, and the ``torch.Generator`` objects the model holds (see [ Explicit
-   generators ] in ``_ambient.py``).
+   generators ] in ``_ambient.py``); and Python's ``random`` and NumPy's global generator,
+   which a forward may draw from too (Hugging Face's wav2vec2 and WavLM drop layers and mask
+   time steps with ``np.random``). NumPy's is put back only where NumPy is imported already:
+   remat does not import it, and a NumPy imported during the pass starts from a fresh seed.
+4. Gradients, for the planner, whose steps run backward (``explain`` runs none; see
+   :func:`grads_as_found`): each ``.grad`` of the model's parameters, of the tensors its
+   ``loss_fn`` reaches (the parameters of a head or a criterion kept outside the model, whose
+   buffers and generators are put back as the model's are) and of the example inputs (an
+   input with ``requires_grad=True``) is put back as the tensor it was, with its values, or
+   ``None`` where it was ``None``. A user's loop that accumulates into ``.grad`` then takes its
+   first step as it would have without planning.
 
 A function explained (``lambda x: loss_fn(model(x), y)``) is put back through the modules it
 reaches, found as the write guard finds them (NOTE [ When the guard runs ] 1 in ``_guard.py``).
-
-Gradients are the planner's own concern (its steps run backward; ``explain`` runs none).
+The planner's ``loss_fn`` is put back so too: the modules it reaches as a model's (1 to 3),
+and the tensors it reaches (4).
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -93,8 +105,37 @@ def modules_reached(function: Callable[..., Any]) -> list[nn.Module]:
     """The modules a function reaches, as the write guard finds them (its closure, defaults,
     the globals its code loads, the ``self`` of a bound method, a partial's arguments): a
     function such as ``lambda x: loss_fn(model(x), y)`` reaches ``model``."""
-    walked = Reachable(function, (), {}).walked.values()
-    return [m for m in walked if isinstance(m, nn.Module)]
+    return reached(function)[0]
+
+
+def reached(function: Callable[..., Any]) -> tuple[list[nn.Module], list[torch.Tensor]]:
+    """The modules a function reaches (see :func:`modules_reached`) and the tensors: the
+    modules' parameters and buffers, and the tensors it holds itself."""
+    found = Reachable(function, (), {})
+    return [m for m in found.walked.values() if isinstance(m, nn.Module)], found.tensors
+
+
+@contextlib.contextmanager
+def grads_as_found(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Put each ``.grad`` of ``tensors`` back on the way out (see NOTE [ Putting a model back ]
+    4): as the tensor it was (a user's reference to it, or a view into a bucket such as DDP's
+    ``gradient_as_bucket_view``, stays valid), with its values; ``None`` where it was ``None``.
+    A tensor that keeps no ``.grad`` (not a leaf, and not ``retain_grad()``) is left alone."""
+    found: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+    for t in tensors:
+        if id(t) in found or not (t.is_leaf or t.retains_grad):
+            continue
+        grad = t.grad
+        found[id(t)] = (t, grad, grad.detach().clone() if grad is not None else None)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, grad, values in found.values():
+                if grad is not None and values is not None:
+                    grad.copy_(values)
+                if t.grad is not grad:
+                    t.grad = grad
 
 
 @contextlib.contextmanager
@@ -103,9 +144,22 @@ def as_found(models: Sequence[nn.Module], device_types: Iterable[str] = ()) -> I
     ``device_types`` back on the way out (see NOTE [ Putting a model back ])."""
     explicit = [(g, g.get_state()) for g in generators_in(*models)]
     buffers = _Buffers(models)
+    python = random.getstate()
+    numpy = _numpy_random()
+    numpy_state = numpy.get_state() if numpy is not None else None
     try:
         with restoring_rng(tuple((t, None) for t in device_types)):
             yield
     finally:
         set_generators(explicit)
         buffers.restore()
+        random.setstate(python)
+        if numpy is not None:
+            numpy.set_state(numpy_state)
+
+
+def _numpy_random() -> Any:
+    """``numpy.random`` where NumPy is imported already, else ``None`` (remat does not import
+    it)."""
+    numpy = sys.modules.get("numpy")
+    return getattr(numpy, "random", None) if numpy is not None else None

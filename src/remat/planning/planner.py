@@ -65,7 +65,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import modules
-from .._found import as_found
+from .._found import as_found, grads_as_found, reached
 from ..errors import NoPlanFits, RematError
 from ..modules import refuse_sharded, unwrapped
 from ._autocast import Autocast, loop_forward, outside
@@ -1031,27 +1031,28 @@ def _uses(o: Option) -> set[str]:
 
 
 @contextlib.contextmanager
-def _as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
-    """Planning leaves the model as it found it: buffers (BatchNorm statistics), the CPU random
-    generator, ``device``'s and the generators the model holds (NOTE [ Putting a model back ]
-    in ``_found.py``), and gradients."""
-    # Each gradient is put back as the tensor it was (a user's reference to it, or a view
-    # into a bucket such as DDP's gradient_as_bucket_view, stays valid), with its values.
-    grads = {
-        n: (p.grad, p.grad.detach().clone())
-        for n, p in model.named_parameters()
-        if p.grad is not None
-    }
-    try:
-        with as_found([model], (device.type,) if device.type != "cpu" else ()):
-            yield
-    finally:
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                entry = grads.get(n)
-                if entry is not None:
-                    entry[0].copy_(entry[1])
-                p.grad = entry[0] if entry is not None else None
+def _as_found(
+    model: nn.Module,
+    device: torch.device,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    inputs: Any = None,
+) -> Iterator[None]:
+    """Planning leaves the model as it found it: buffers (BatchNorm statistics), the random
+    generators (the CPU's, ``device``'s, those the model holds, Python's and NumPy's) and
+    gradients; and so what ``loss_fn`` reaches (a head or a criterion kept outside the model)
+    and the example ``inputs``' gradients (NOTE [ Putting a model back ] in ``_found.py``)."""
+    models = [model]
+    tensors: list[torch.Tensor] = list(model.parameters())
+    if loss_fn is not None:
+        modules, held = reached(loss_fn)
+        models += [m for m in modules if m is not model]
+        tensors += [p for m in modules for p in m.parameters()] + held
+    tensors += [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    with (
+        grads_as_found(tensors),
+        as_found(models, (device.type,) if device.type != "cpu" else ()),
+    ):
+        yield
 
 
 def discover_blocks(
@@ -1065,7 +1066,7 @@ def discover_blocks(
     if paths:
         return paths
     device = device_of(model, example_inputs)
-    with outside(Autocast.found(device.type)), _as_found(model, device):
+    with outside(Autocast.found(device.type)), _as_found(model, device, loss_fn, example_inputs):
         return shared_blocks(model, _step(model, example_inputs, loss_fn))
 
 
@@ -1101,7 +1102,7 @@ def profile_model(
     chosen_tiers = _tiers(tiers, device)
     paths = find_blocks(model, blocks)
     started = time.perf_counter()
-    with outside(autocast), _as_found(model, device):
+    with outside(autocast), _as_found(model, device, loss_fn, example_inputs):
         step = _step(model, example_inputs, loss_fn)
         if not paths:  # no runs of blocks: a block the forward calls again and again?
             paths = shared_blocks(model, step)
@@ -1395,7 +1396,8 @@ def measured_peak(
     """The peak activation memory of one step of ``model`` set up as ``plan`` says (after a
     warm-up step), measured as the profile was; the model is left as it was found."""
     device = device_of(model, example_inputs)
-    with outside(Autocast.from_json(plan.autocast)), _as_found(model, device):
+    autocast = Autocast.from_json(plan.autocast)
+    with outside(autocast), _as_found(model, device, loss_fn, example_inputs):
         try:
             plan.apply(model)
             step = _step(model, example_inputs, loss_fn)
