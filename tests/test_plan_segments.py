@@ -17,7 +17,13 @@ from torch.utils.checkpoint import checkpoint
 import remat
 from remat import _state
 from remat.bench.measure import peak_step_bytes
-from remat.planning.apply import Linked, LinkedForward, apply_segment, undo_segment
+from remat.planning.apply import (
+    Linked,
+    LinkedForward,
+    SegmentForward,
+    apply_segment,
+    undo_segment,
+)
 
 from helpers import (
     assert_equal,
@@ -677,11 +683,13 @@ def test_the_summary_lists_blocks_by_path_in_runs_of_one_option() -> None:
 
 @pytest.mark.parametrize("linked", [True, False], ids=["region-engine", "graph-engine"])
 def test_a_segment_left_open_pickles_and_trains_on_exactly(linked: bool) -> None:
-    """A forward that stops inside a segment (an early exit after its first block), or its
-    first block called alone (a feature probe), leaves the segment open: a linked chain holds
-    its last call by weak references, a graph-engine segment a live recording. Neither
-    pickles; ``torch.save(model)`` raised. A pickle now starts with the segment closed, and
-    the loaded model and the original both train on bit-equal to a plain one."""
+    """A forward that stops inside a segment (an early exit after its first block) leaves a
+    linked chain holding its last call by weak references, which do not pickle;
+    ``torch.save(model)`` raised. A pickle now starts with the segment closed, and the loaded
+    model and the original both train on bit-equal to a plain one. (A graph-engine segment's
+    first block called alone, a feature probe, runs as a region of its own and leaves nothing
+    open: see ``test_a_graph_engine_segments_block_called_alone_runs_as_a_region_of_its_own``.)
+    """
     import io
 
     plain = _model()
@@ -693,7 +701,7 @@ def test_a_segment_left_open_pickles_and_trains_on_exactly(linked: bool) -> None
         m(x).sum().backward()
         m.stop_after = None
         if not linked:
-            m.blocks[1](x)  # alone: a graph-engine segment stays open
+            m.blocks[1](x)  # alone, outside the model's forward
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
@@ -749,3 +757,127 @@ def test_a_segment_whose_blocks_fsdp_shards_refuses_to_run(linked: bool) -> None
             model(torch.randn(4, 64))
     finally:
         dist.destroy_process_group()
+
+
+def _nothing_open() -> None:
+    """No region, dispatch mode or saved-tensor hooks left on the thread."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert not remat.is_checkpointing()
+    assert _state.state.graph is None and _state.state.offload is None
+    assert _get_current_dispatch_mode_stack() == []
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.mark.parametrize("called", ["first", "middle", "loop"])
+def test_a_graph_engine_segments_block_called_alone_runs_as_a_region_of_its_own(
+    called: str,
+) -> None:
+    """A block of a graph-engine segment called outside the model's forward (a feature probe,
+    a loss on one block's output, a loop over the blocks) opened the segment and left it open
+    after the call returned: every later op on the thread was recorded. It now runs as a
+    region of its own (its input kept, the rest recomputed in backward), leaves nothing open,
+    and its gradients are bit-equal to a plain block's."""
+    model = _model()
+    segmented = copy.deepcopy(model)
+    apply_segment(segmented, _PATHS)
+    x, _ = _batches()[0]
+    counts, grads = [], []
+    for m in (model, segmented):
+        blocks = {"first": [m.blocks[1]], "middle": [m.blocks[2]], "loop": list(m.blocks)}
+        xm = x.detach().clone().requires_grad_(True)
+        torch.manual_seed(3)
+        h = xm
+        for block in blocks[called]:
+            h = block(h)
+        if m is segmented:
+            _nothing_open()
+        with counting_ops() as ops:
+            h.square().sum().backward()  # type: ignore[no-untyped-call]
+        counts.append(ops.counts.get("addmm", 0))
+        grads.append([xm.grad, *(p.grad for p in m.parameters())])
+    assert_equal(grads[0], grads[1])
+    assert counts[1] > counts[0]  # recomputed: a region, not a plain block
+    _nothing_open()
+    assert_records_equal(train(model, _batches(), _loss), train(segmented, _batches(), _loss))
+
+
+@pytest.fixture
+def every_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner keeps each option it measured: which options dominate turns on timed
+    seconds."""
+    from remat.planning import planner
+
+    monkeypatch.setattr(planner, "undominated", list)
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.usefixtures("every_option")
+@pytest.mark.parametrize("where", ["in-a-block", "between-blocks"])
+def test_an_interrupt_in_a_graph_engine_segment_leaves_nothing_behind(where: str) -> None:
+    """Torch runs ``always_call`` forward hooks for an ``Exception`` only: a
+    ``KeyboardInterrupt`` (Ctrl-C) left a plan's graph-engine segment recording on the thread
+    and its count of forwards under way off, so later steps warned that blocks ran more
+    often than planned. An interrupt inside a block of the segment now closes it at once;
+    one between its blocks, at the model's next forward (NOTE [ Interrupted forwards ] in
+    ``planning/apply.py``). The next steps are bit-equal to a plain model's, and quiet."""
+    from remat.planning.apply import Outer
+
+    torch.manual_seed(0)
+    model = _Looped(n=4, scale=(0, 1, 2, 3)).train()
+    x = torch.randn(32, 64)
+    plan = remat.plan(model, x, budget="100%", loss_fn=lambda o: o.square().mean(), repeats=0)
+    # blocks.1 and blocks.2 as one segment, whose blocks do not link: the graph engine
+    plan.blocks = [
+        {"path": b["path"], "type": b["type"], "option": "plain"}
+        | ({"option": "segment-2", "segment": "blocks.1"} if b["path"] in _PATHS[:2] else {})
+        for b in plan.blocks
+    ]
+    plain, planned = copy.deepcopy(model), plan.apply(copy.deepcopy(model))
+    assert isinstance(planned.blocks[1].__dict__["forward"], SegmentForward)
+    if where == "in-a-block":
+        handle = planned.blocks[2][0].fc2.register_forward_pre_hook(_interrupt)
+    else:
+        handle = planned.blocks[1].register_forward_hook(_interrupt)
+    interrupted = False
+    try:
+        planned(x)
+    except KeyboardInterrupt:
+        interrupted = True
+    handle.remove()
+    assert interrupted
+    if where == "in-a-block":
+        _nothing_open()
+    batches = [(x, torch.randn(32, 64)) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        records = train(planned, batches, _loss)
+    assert_records_equal(train(plain, batches, _loss), records)
+    _nothing_open()
+    outer = [h.__self__ for h in planned._forward_pre_hooks.values() if hasattr(h, "__self__")]
+    assert [o.count.depth for o in outer if isinstance(o, Outer)] == [0]
+
+
+def test_an_interrupt_inside_a_block_with_a_tier_closes_its_offload_scope() -> None:
+    """A block a plan runs inside ``remat.offload(tier)``: an interrupt inside it skips the
+    hook that leaves the scope. The block's next call closes it before opening its own, and
+    training goes on bit-equal to a plain model."""
+    from remat.planning.apply import apply_option
+
+    model = _model()
+    offloaded = copy.deepcopy(model)
+    apply_option(offloaded.blocks[2], "blocks.2", "plain", {}, tier="disk")
+    handle = offloaded.blocks[2].fc2.register_forward_pre_hook(_interrupt)
+    x, _ = _batches()[0]
+    interrupted = False
+    try:
+        offloaded(x)
+    except KeyboardInterrupt:
+        interrupted = True
+    handle.remove()
+    assert interrupted
+    assert_records_equal(train(model, _batches(), _loss), train(offloaded, _batches(), _loss))
+    _nothing_open()

@@ -51,16 +51,23 @@ Otherwise it is a graph-engine region with
 hook on its last: the engine records every ATen op in between (the blocks and whatever the
 parent runs between them) and keeps only what enters the segment from outside, so backward
 replays the segment once, from its input, as ``checkpoint_sequential`` recomputes a segment.
-The region is closed by whichever comes first: the last block's forward returning, an error
-raised inside any block of the segment (``always_call`` hooks), or the end of the model's
-forward (a hook on the root, for a forward that stops before the last block, or an error the
-parent raises between blocks). A forward that begins while one is open (a stale region) closes
-it first. Under ``torch.no_grad()`` and ``remat.disable_checkpointing()`` the blocks run
-plainly. Under ``torch.compile``, where Dynamo cannot trace the recording, each block's
-``forward`` (a :class:`SegmentForward`) lowers the block to its own torch checkpoint, as a
-linked segment's calls lower ([ Regions under torch.compile ] 4 in ``_compile.py``): the
-compiled step holds each block's input instead of the segment's first, in device memory
-where the plan put it in a tier.
+The region opens only while a forward of the model, or of a module between it and the
+segment's blocks (``model.model(...)``), is under way (hooks on each of them count those), and
+is closed by whichever comes first: the last block's forward returning, an error raised inside
+any block of the segment (``always_call`` hooks; an interrupt, by the block's
+:class:`SegmentForward`: see NOTE [ Interrupted forwards ]), or the end of one of those
+forwards (for a forward that stops before the last block, or an error the parent raises
+between blocks). A forward that begins while one is open (a stale region) closes it first.
+A block of the segment called outside those forwards (a feature probe, a loss on one block's
+output, code looping over the blocks) runs as a region of its own that recomputes everything
+from its input: exact, holding its input alone, and closed when the call returns, as nothing
+would close a segment opened there (its last block may never be called, and every later op
+on the thread would be recorded into it). Under ``torch.no_grad()`` and
+``remat.disable_checkpointing()`` the blocks run plainly. Under ``torch.compile``, where Dynamo
+cannot trace the recording, each block's ``forward`` (a :class:`SegmentForward`) lowers the
+block to its own torch checkpoint, as a linked segment's calls lower ([ Regions under
+torch.compile ] 4 in ``_compile.py``): the compiled step holds each block's input instead of
+the segment's first, in device memory where the plan put it in a tier.
 
 NOTE [ Segments on the region engine ]
 
@@ -86,6 +93,7 @@ import copy
 import functools
 import inspect
 import sys
+import threading
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -199,20 +207,36 @@ _DECISIONS = {
 
 class Offloaded:
     """A block's forward inside ``remat.offload(tier)``: entered by a forward pre-hook, left
-    by a forward hook that runs on errors too (a stack of them, for a block that calls itself)."""
+    by a forward hook that runs on errors too (a stack of them, for a block that calls itself).
+    A scope whose forward ended without its hook (an interrupt, see NOTE [ Interrupted
+    forwards ]) is closed at the block's next call."""
 
     def __init__(self, tier: str) -> None:
         self.tier = tier
-        self.open: list[contextlib.ExitStack] = []
+        # each open scope, with the frame of the module call it belongs to (``call_frame``)
+        self.open: list[tuple[contextlib.ExitStack, types.FrameType]] = []
 
     def enter(self, module: nn.Module, args: Any) -> None:
+        frame = call_frame(sys._getframe(1))
+        while self.open and ended(self.open[-1][1]):
+            self.open.pop()[0].close()
         stack = contextlib.ExitStack()
         stack.enter_context(offload(self.tier))  # type: ignore[arg-type]
-        self.open.append(stack)
+        self.open.append((stack, frame))
 
     def exit(self, module: nn.Module, args: Any, out: Any) -> None:
-        if self.open:
-            self.open.pop().close()
+        frame = call_frame(sys._getframe(1))
+        # (scopes above this call's ended without their hooks: closed first)
+        if any(f is frame for _, f in self.open):
+            while self.open:
+                stack, f = self.open.pop()
+                stack.close()
+                if f is frame:
+                    break
+
+    def __getstate__(self) -> dict[str, Any]:
+        # (a copy made while a forward is under way starts with no scope open)
+        return {**self.__dict__, "open": []}
 
 
 def apply_option(
@@ -269,6 +293,90 @@ def apply_option(
 # while Dynamo traces, whose restarts of a trace would see it advanced.
 
 
+# NOTE [ Interrupted forwards ]
+#
+# A plan's hooks open state in a forward pre-hook and close it in a forward hook registered
+# with ``always_call=True``: the count of forwards under way (:class:`Outer`), a graph-engine
+# segment's recording (:class:`Segment`) and a tier's offload scope (:class:`Offloaded`). Torch
+# runs ``always_call`` hooks for an ``Exception`` only: a ``KeyboardInterrupt`` (Ctrl-C in a
+# notebook) or a ``SystemExit`` raised in the forward skips them. So each opening is noted with
+# the frame of the module call it belongs to (:func:`call_frame`: torch's frame that called the
+# module, which lives exactly as long as the call), and a forward found under way whose frame
+# is no longer on the thread's stack ended without its hook (:func:`ended`). Such state is
+# closed as early as the plan can see it:
+#
+# 1. An interrupt raised inside a block of a graph-engine segment: at once, by the block's
+#    :class:`SegmentForward` (an instance-level ``forward``, so a ``try`` around it).
+# 2. Otherwise (an interrupt in the parent's code between a segment's blocks, inside a block
+#    with a tier, or inside the model around the blocks): at the next forward of the model or
+#    of a module around the blocks (the outermost one drops the forwards that ended and closes
+#    a segment left open) and at the next call of the block (a tier's scope), before anything
+#    of that forward is recorded or offloaded. Until then the segment's recording or the
+#    tier's scope stays open on the thread; code that runs there in between (another model's
+#    steps) is recorded or offloaded by it, with exact gradients.
+#
+# The call numbers of [ Options per call ] then start afresh at the next forward, as after a
+# forward that returned. Walking the stack costs a few frames, and only where a forward is
+# already under way (a module around blocks inside the model, a segment's blocks): a forward
+# with none pays nothing for it.
+
+_MODULE_CODE = nn.Module._call_impl.__code__.co_filename
+
+
+def call_frame(frame: types.FrameType) -> types.FrameType:
+    """The frame of the module call that runs the hook whose caller is ``frame``: the
+    outermost of torch's own frames there (``Module._wrapped_call_impl``), which lives as long
+    as the call whatever frames torch runs the hooks from."""
+    while (back := frame.f_back) is not None and back.f_code.co_filename == _MODULE_CODE:
+        frame = back
+    return frame
+
+
+def ended(frame: types.FrameType) -> bool:
+    """Whether ``frame`` is no longer running on this thread (its call returned or raised)."""
+    f: types.FrameType | None = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return False
+        f = f.f_back
+    return True
+
+
+class Underway:
+    """The forwards under way of some modules (a plan's model and the modules around its
+    blocks), innermost last, each by the frame of its call (see NOTE [ Interrupted
+    forwards ]) and the thread it runs on."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[types.FrameType, int]] = []
+
+    def begin(self, frame: types.FrameType) -> bool:
+        """A forward begins (``frame``: :func:`call_frame`): whether it is the outermost."""
+        self.drop_ended()
+        self.calls.append((frame, threading.get_ident()))
+        return len(self.calls) == 1
+
+    def end(self, frame: types.FrameType) -> bool:
+        """The forward of the call at ``frame`` ends (those begun inside it and still listed
+        ended without their hooks): whether it was the outermost. A call not listed (a hook
+        before the one that lists it raised) changes nothing."""
+        if any(f is frame for f, _ in self.calls):
+            while self.calls.pop()[0] is not frame:
+                pass
+        return not self.calls
+
+    def drop_ended(self) -> None:
+        """Forget the forwards that ended without their hooks. (Another thread's forward is
+        not this thread's to judge: it is left.)"""
+        calls = self.calls
+        while calls and calls[-1][1] == threading.get_ident() and ended(calls[-1][0]):
+            calls.pop()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # (frames do not copy; a copy made while a forward is under way starts with none)
+        return {"calls": []}
+
+
 class CallCount:
     """The calls of each block so far in the forward under way, by path; ``planned``: each
     block's calls in the plan, ``budget`` the plan's (for the warnings), ``lists`` the
@@ -282,19 +390,31 @@ class CallCount:
         self.lists = lists or {}
         self.counts: dict[str, int] = {}
         self.warned: set[str] = set()
-        self.depth = 0  # the forwards of the model and the modules around blocks under way
+        # the forwards of the model and the modules around blocks under way
+        self.underway = Underway()
 
-    def enter(self) -> None:
-        """A forward of the model, or of a module between it and blocks, begins: where it is
-        the outermost, the calls are counted afresh."""
-        if self.depth == 0:
+    @property
+    def depth(self) -> int:
+        """How many forwards of the model and the modules around blocks are under way."""
+        return len(self.underway.calls)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # (a model pickled by an earlier remat counted its forwards in ``depth``)
+        state.pop("depth", None)
+        state.setdefault("underway", Underway())
+        self.__dict__.update(state)
+
+    def enter(self, frame: types.FrameType) -> None:
+        """A forward of the model, or of a module between it and blocks, begins (``frame``:
+        its call's, see NOTE [ Interrupted forwards ]): where it is the outermost, the calls
+        are counted afresh."""
+        if self.underway.begin(frame):
             self.counts = {}
-        self.depth += 1
 
-    def leave(self, module: nn.Module, prefix: str) -> None:
-        """The forward of ``module`` (at path ``prefix`` in the model) ends."""
-        self.depth = max(self.depth - 1, 0)
-        if self.depth == 0 and torch.is_grad_enabled():
+    def leave(self, module: nn.Module, prefix: str, frame: types.FrameType) -> None:
+        """The forward of ``module`` (at path ``prefix`` in the model, its call's ``frame``)
+        ends."""
+        if self.underway.end(frame) and torch.is_grad_enabled():
             self._check(module, prefix)
 
     def next(self, path: str) -> int:
@@ -372,11 +492,11 @@ class Outer:
 
     def enter(self, module: nn.Module, args: Any) -> None:
         if not torch.compiler.is_compiling():
-            self.count.enter()
+            self.count.enter(call_frame(sys._getframe(1)))
 
     def leave(self, module: nn.Module, args: Any, out: Any) -> None:
         if not torch.compiler.is_compiling():
-            self.count.leave(module, self.prefix)
+            self.count.leave(module, self.prefix, call_frame(sys._getframe(1)))
 
 
 def count_calls(model: nn.Module, count: CallCount) -> None:
@@ -746,22 +866,78 @@ class Segment:
         self.tier = tier  # the segment's input goes to this tier (``remat.offload``)
         self._open: contextlib.ExitStack | None = None
         self._error: BaseException | None = None  # the error being handled when it opened
+        # the forwards under way of the modules around the segment (the model's and those
+        # between it and the blocks): the segment opens only inside one. ``None`` in a model
+        # pickled by an earlier remat, which has no hooks to count them: it opens at any call
+        # of its first block, as it did there.
+        self.underway: Underway | None = Underway()
+
+    def begin(self, module: nn.Module, args: Any) -> None:
+        """A forward of a module around the segment begins (a forward pre-hook). The outermost
+        closes a segment that forwards ended without their hooks left open (see NOTE
+        [ Interrupted forwards ])."""
+        if torch.compiler.is_compiling() or self.underway is None:
+            return
+        if self.underway.begin(call_frame(sys._getframe(1))):
+            self.close()
+
+    def leave(self, module: nn.Module, args: Any, out: Any) -> None:
+        """A forward of a module around the segment returned or raised: every block of the
+        segment is inside it, so the segment is over."""
+        if torch.compiler.is_compiling() or self.underway is None:
+            return
+        self.underway.end(call_frame(sys._getframe(1)))
+        self.close()
 
     def enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self.close()
         if not torch.is_grad_enabled() or _state.state.disabled or torch.compiler.is_compiling():
             return
+        if self.underway is not None:
+            self.underway.drop_ended()
+            if not self.underway.calls:
+                return  # the block called by itself: its SegmentForward runs it alone
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        self._open, self._error = self._region(tensors), sys.exc_info()[1]
+
+    def _region(self, tensors: list[torch.Tensor]) -> contextlib.ExitStack:
+        """A graph-engine region that recomputes everything from ``tensors`` (its input in the
+        segment's tier), entered."""
         from ..graph import recording
 
-        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         stack = contextlib.ExitStack()
-        if self.tier is not None:
-            stack.enter_context(offload(self.tier))  # type: ignore[arg-type]
-        stack.enter_context(recording(recompute_everything, tensors))
-        self._open, self._error = stack, sys.exc_info()[1]
+        with contextlib.ExitStack() as failed:
+            failed.push(stack)  # closed again if entering fails
+            if self.tier is not None:
+                stack.enter_context(offload(self.tier))  # type: ignore[arg-type]
+            stack.enter_context(recording(recompute_everything, tensors))
+            failed.pop_all()
+        return stack
+
+    def alone(self) -> bool:
+        """Whether a block of the segment is called while no forward around the segment is
+        under way (a feature probe, a loss on one block's output): then it runs by itself,
+        and a segment left open by forwards that ended without their hooks is closed."""
+        if self.underway is None:
+            return False
+        self.underway.drop_ended()
+        if self.underway.calls:
+            return False
+        self.close()
+        return True
+
+    def run_alone(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one block of the segment by itself: a region of its own that keeps its input
+        (in the segment's tier) and recomputes the rest, as the segment would from its own;
+        plainly under ``torch.no_grad()`` and ``remat.disable_checkpointing()``."""
+        if not torch.is_grad_enabled() or _state.state.disabled:
+            return forward(*args, **kwargs)
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        with self._region(tensors):
+            return forward(*args, **kwargs)
 
     def exit(self, module: nn.Module, args: Any, out: Any) -> None:
-        """The last block's forward, or the model's, returned or raised."""
+        """The last block's forward returned or raised."""
         if not torch.compiler.is_compiling():  # nothing opened (see ``enter``)
             self.close()
 
@@ -779,9 +955,14 @@ class Segment:
             stack.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        # A segment left open (its first block called alone, outside the model's forward)
-        # holds a live recording, which does not pickle: a copy starts closed.
+        # A segment open (a copy made while the model's forward is under way, or one that an
+        # interrupted forward left open) holds a live recording, which does not pickle: a copy
+        # starts closed.
         return {**self.__dict__, "_open": None, "_error": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("underway", None)  # (see ``__init__``)
+        self.__dict__.update(state)
 
 
 def apply_segment(
@@ -806,18 +987,31 @@ def apply_segment(
     segment = Segment(tier)
     for path, block in zip(paths, blocks, strict=True):
         label = _label(path, paths)
-        block.forward = SegmentForward(block, block.__dict__.get("forward"), label)
+        block.forward = SegmentForward(block, block.__dict__.get("forward"), label, segment)
     blocks[0].register_forward_pre_hook(segment.enter, with_kwargs=True)
     for block in blocks[:-1]:
         block.register_forward_hook(segment.exit_on_error, always_call=True)
     blocks[-1].register_forward_hook(segment.exit, always_call=True)
-    root.register_forward_hook(segment.exit, always_call=True)
+    for module in _around(root, paths):
+        module.register_forward_pre_hook(segment.begin)
+        module.register_forward_hook(segment.leave, always_call=True)
     return segment
+
+
+def _around(root: nn.Module, paths: list[str]) -> list[nn.Module]:
+    """``root`` and the modules between it and all of the blocks at ``paths``: a forward of
+    any of them holds every block's call."""
+    parents = [p.split(".")[:-1] for p in paths]
+    common = 0
+    while all(len(p) > common and p[common] == parents[0][common] for p in parents):
+        common += 1
+    prefix = parents[0][:common]
+    return [root.get_submodule(".".join(prefix[:i])) for i in range(common + 1)]
 
 
 def undo_segment(root: nn.Module, paths: list[str]) -> None:
     """Undo :func:`apply_segment`."""
-    for module in [root, *(root.get_submodule(p) for p in paths)]:
+    for module in [*_around(root, paths), *(root.get_submodule(p) for p in paths)]:
         undo_segment_on(module)
 
 
@@ -948,10 +1142,11 @@ class SegmentForward:
     """The instance-level ``forward`` of a block in a graph-engine :class:`Segment`: the block's
     forward as it was (``previous``, an instance-level forward it had, or its class's), which
     the segment's hooks record in eager, and its own torch checkpoint under ``torch.compile``
-    (see [ Segments on the model ]). Holds the block weakly, as ``checkpoint_wrapper``'s
-    forward does."""
+    (see [ Segments on the model ]). A block called by itself runs as a region of its own, and
+    an interrupt inside it closes the segment (see NOTE [ Interrupted forwards ]). Holds the
+    block weakly, as ``checkpoint_wrapper``'s forward does."""
 
-    __slots__ = ("label", "module_ref", "previous")
+    __slots__ = ("label", "module_ref", "previous", "segment")
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -959,10 +1154,17 @@ class SegmentForward:
             return inspect.signature(self.previous)
         return forward_signature(self.module_ref())
 
-    def __init__(self, module: nn.Module, previous: Any = None, label: str = "") -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        previous: Any = None,
+        label: str = "",
+        segment: Segment | None = None,
+    ) -> None:
         self.module_ref = weakref.ref(module)
         self.previous = previous
         self.label = label  # "block B of the plan's segment A..C", for errors
+        self.segment = segment
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = _block(self.module_ref)
@@ -978,16 +1180,33 @@ class SegmentForward:
             if forward is None:
                 forward = functools.partial(type(module).forward, module)
             return lower(forward, args, kwargs)
-        if self.previous is not None:
-            return self.previous(*args, **kwargs)
-        return type(module).forward(module, *args, **kwargs)
+        forward = self.previous
+        if forward is None:
+            forward = types.MethodType(type(module).forward, module)
+        segment = self.segment
+        if segment is None:
+            return forward(*args, **kwargs)
+        if segment.alone():
+            return segment.run_alone(forward, args, kwargs)
+        try:
+            return forward(*args, **kwargs)
+        except Exception:
+            raise  # (the segment's always_call hooks close it)
+        except BaseException:
+            segment.close()  # torch runs no always_call hook for it
+            raise
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SegmentForward:
         copied = _copied_block(self.module_ref, memo)
-        return SegmentForward(copied, copy.deepcopy(self.previous, memo), self.label)
+        return SegmentForward(
+            copied,
+            copy.deepcopy(self.previous, memo),
+            self.label,
+            copy.deepcopy(self.segment, memo),
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (SegmentForward, (self.module_ref(), self.previous, self.label))
+        return (SegmentForward, (self.module_ref(), self.previous, self.label, self.segment))
 
 
 def _label(path: str, paths: list[str]) -> str:
