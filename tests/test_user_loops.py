@@ -10,7 +10,9 @@ replay exactly too.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from remat.planning._budget import fmt_bytes
 from remat.store import DiskTier
 
 
@@ -477,3 +480,62 @@ def test_whole_model_checkpoint_resumes_equal_to_plain(factory: str, tmp_path: P
     if factory.startswith("offload"):
         assert tier.stats.bytes_written > 0
     assert [p for p in (tmp_path / "spill").rglob("*") if p.is_file()] == []
+
+
+class _Heads(nn.Module):
+    """A language model's shape: hidden states, and logits the head makes from them (a
+    Linear, which saves the hidden states for its weight's gradient)."""
+
+    def __init__(self, dataclass_output: bool) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(16, 128), nn.Linear(128, 256)
+        self.dataclass_output = dataclass_output
+
+    def forward(self, x: torch.Tensor) -> Any:
+        hidden = torch.tanh(self.body(x))
+        logits = self.head(hidden)
+        if self.dataclass_output:
+            return _Output(logits, hidden)
+        return {"logits": logits, "hidden": hidden}
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+@pytest.mark.parametrize("dataclass_output", [False, True])
+def test_the_held_output_check_sees_what_the_loop_holds_and_only_that(
+    dataclass_output: bool,
+) -> None:
+    """The check a plan puts on the model (NOTE [ The output held through backward ] in
+    ``planning/apply.py``), here with a budget that leaves 1 KiB of room: a loop that drops
+    the output before backward is quiet, though the head still holds the hidden states when
+    backward reaches the logits (they were counted as held); a loop that holds it warns, in a
+    dict and in a dataclass (whose fields were not looked into)."""
+    from remat.planning.apply import HeldOutput
+
+    torch.manual_seed(0)
+    model = _Heads(dataclass_output)
+    x = torch.randn(32, 16)
+    budget = 1 << 20
+    model.register_forward_hook(HeldOutput(budget, budget - 1024))
+
+    def logits(out: Any) -> torch.Tensor:
+        return out.logits if dataclass_output else out["logits"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logits(model(x)).square().mean().backward()  # the output freed: quiet
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = model(x)
+        logits(out).square().mean().backward()
+        del out
+        out = model(x)  # warned once only
+        logits(out).square().mean().backward()
+    logits_bytes = 32 * 256 * 4  # the first output backward reaches, found held
+    assert [str(w.message).split(" is still")[0] for w in record] == [
+        f"remat: the model's output ({fmt_bytes(logits_bytes)})"
+    ]

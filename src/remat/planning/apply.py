@@ -96,7 +96,8 @@ import sys
 import threading
 import types
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -760,10 +761,14 @@ class UnlikeProfiled:
 # plan predicted there: a language model's logits can be as large as the whole budget. A
 # forward hook on the model (:class:`HeldOutput`) finds when that can break the budget (the
 # output's bytes above the room the plan leaves under it, and above 1% of the budget) and
-# then hooks the largest output tensor's gradient: when backward reaches the model, every
-# node that read the output has run and let go of it, so an output tensor still alive there
-# is the loop's. The first such step warns, naming the bytes and the fix; a step that frees
-# the output costs a weak reference per output tensor and one tensor hook.
+# then hooks the gradient of each output tensor. A tensor's gradient is complete once every
+# node that read the tensor has run and let go of what it saved: the loss's, and the model's
+# own where an output is also read inside it (hidden states that the head reads). A tensor
+# still alive when its own gradient arrives is held by the loop (or by a graph kept with
+# ``retain_graph=True``), and stays so to the end of backward. Once the output tensors held so
+# break the budget, the step warns, naming their bytes and the fix, once for the plan. The
+# outputs are found in tuples, lists, dicts, Hugging Face's ``ModelOutput`` and dataclasses. A
+# step that frees the output costs a weak reference and a tensor hook per output tensor.
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -788,19 +793,24 @@ class HeldOutput:
     def __call__(self, model: nn.Module, args: Any, out: Any) -> None:
         if self.warned or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
-        # (Hugging Face's ModelOutput is a pytree node, as tuples, lists and dicts are)
-        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        graded = [t for t in tensors if t.grad_fn is not None]
-        if not graded or not self._breaks(_storage_bytes(tensors)):
+        tensors = _output_tensors(out)
+        if not self._breaks(_storage_bytes(tensors)):
             return
-        refs = [weakref.ref(t) for t in tensors]
-        largest = max(graded, key=lambda t: _storage_bytes([t]))
+        held: dict[int, int] = {}  # storage -> bytes, of the outputs found held this step
+        for t in tensors:
+            key = storage_key(t)
+            if t.grad_fn is not None and key is not None:
+                t.register_hook(self._check(weakref.ref(t), key, held))  # type: ignore[no-untyped-call]
 
+    def _check(
+        self, ref: weakref.ref[torch.Tensor], key: int, held: dict[int, int]
+    ) -> Callable[[torch.Tensor], None]:
         def reached(grad: torch.Tensor) -> None:
-            held = [t for ref in refs if (t := ref()) is not None]
-            if self.warned or not held:
+            t = ref()
+            if self.warned or t is None:
                 return
-            nbytes = _storage_bytes(held)
+            held[key] = t.untyped_storage().nbytes()
+            nbytes = sum(held.values())
             if not self._breaks(nbytes):
                 return
             self.warned = True
@@ -815,13 +825,25 @@ class HeldOutput:
                 f"with a budget {fmt_bytes(nbytes)} lower."
             )
 
-        largest.register_hook(reached)  # type: ignore[no-untyped-call]
+        return reached
 
     def _breaks(self, held: int) -> bool:
         """Whether ``held`` bytes on top of the predicted peak break the budget, by more than
         1% of it (a classifier's scores are not worth a warning; a language model's logits
         are)."""
         return held > 0.01 * self.budget and self.predicted + held > self.budget
+
+
+def _output_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors in a model's output: in tuples, lists, dicts and Hugging Face's
+    ``ModelOutput`` (pytree nodes), and in the fields of a dataclass (which is none)."""
+    found: list[torch.Tensor] = []
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif is_dataclass(leaf) and not isinstance(leaf, type):
+            found += _output_tensors([getattr(leaf, f.name, None) for f in fields(leaf)])
+    return found
 
 
 def _budget_warning(block: str, budget: int, what: str, fix: str) -> None:
