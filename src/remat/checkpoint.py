@@ -1201,10 +1201,23 @@ class SavedInputs:
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         node: Any = self._out.grad_fn
+        try:
+            saved = node.saved_tensors
+        except RuntimeError as error:  # autograd's version check
+            if "modified by an inplace operation" not in str(error):
+                raise
+            raise CheckpointError(
+                "remat: an input of a checkpointed region was modified by an inplace operation "
+                "after the region saved it: inside the region (x.add_(1), an activation with "
+                "inplace=True on the input), or by the caller before backward. The recompute "
+                "starts from the inputs as the region got them, and that value is gone. Pass "
+                "the region a copy (x.clone()) or write a new tensor instead (x = x + 1). "
+                f"Autograd said: {error}"
+            ) from None
         held = node.inference
         if not held:
-            return tuple(node.saved_tensors)
-        return tuple(held.get(i, t) for i, t in enumerate(node.saved_tensors))
+            return tuple(saved)
+        return tuple(held.get(i, t) for i, t in enumerate(saved))
 
 
 def save_inputs(tensors: list[torch.Tensor], offload: bool) -> SavedInputs:
