@@ -312,6 +312,42 @@ def test_offloading_is_timed_on_every_block_of_a_type_at_once(disk: DiskTier) ->
     assert one == 6 * _offloaded_bytes(profile) and profile.saved_inputs == [X.nbytes]
 
 
+class _SavesViews(nn.Module):
+    """A block whose Linear's result autograd saves only through two views of it (a reshape
+    and a slice, each multiplied by a parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.scale = nn.Parameter(torch.ones(4, 16))
+        self.gain = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        out: torch.Tensor = (h.view(-1, 4, 16) * self.scale).sum(1) + h[:, :16] * self.gain
+        return out
+
+
+def test_what_the_profile_says_offload_moves_is_what_it_writes(disk: DiskTier) -> None:
+    """``_offloaded_bytes`` (what ``offload-disk`` moves of a block, by which offloading's time
+    is shared between options) is what ``remat.offload`` writes: it decides by storage
+    (``Scope.wants``), so the views of the Linear's result move that result's storage, once,
+    though the result itself is not saved; the transposed weight, a parameter's storage,
+    stays; and the block's input moves."""
+    from remat.planning.planner import _offloaded_bytes
+
+    torch.manual_seed(0)
+    block = _SavesViews()
+    x = torch.randn(32, 16, requires_grad=True)
+    profile = profile_block(block, ((x,), {}), "_SavesViews", torch.device("cpu"), repeats=1)
+    apply_option(block, "block", "plain", {}, "disk")
+    before = disk.stats.bytes_written
+    block(x * 1).sum().backward()
+    written = disk.stats.bytes_written - before
+    undo_option(block)
+    assert written == _offloaded_bytes(profile) == 32 * 64 * 4 + x.nbytes
+
+
 def test_what_offloading_costs_across_the_chain_is_added_by_bytes_moved() -> None:
     """Each option that uses the tier pays the excess of the chain's per-block timing over the
     one-block timing, per byte it moves; options that do not use it are untouched."""

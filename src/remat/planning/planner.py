@@ -446,8 +446,13 @@ def _measure(
 
 
 def _offloaded_bytes(profile: BlockProfile) -> int:
-    """What ``remat.offload`` moves of one block: its saved results and inputs of 1 KiB or
-    more."""
+    """What ``remat.offload`` moves of one block: the storages of 1 KiB or more that autograd
+    saves in it. The scope decides by storage (``Scope.wants``), so a saved view moves its
+    base's storage, once however many views of it are saved, though the base itself is not
+    saved; a parameter's storage (a transposed weight) stays. A profile made without its
+    storages (by hand) counts its saved results and inputs."""
+    if profile.saved_storages is not None:
+        return sum(n for n in profile.saved_storages if n >= 1024)
     results = sum(op.bytes for op in profile.ops if op.saved and not op.view and op.bytes >= 1024)
     return results + sum(n for n in profile.saved_inputs if n >= 1024)
 
@@ -1232,6 +1237,26 @@ def _linked_runs(paths: list[str], linked: set[str]) -> list[str]:
     return runs
 
 
+def _no_plan(
+    profiled: Profiled,
+    budget: Any,
+    budget_bytes: int,
+    smallest: int,
+    checked: str = "",
+    named: str = "the smallest that fits is",
+) -> NoPlanFits:
+    """The error that no plan fits ``budget``, naming ``smallest`` (and how a measured step
+    ``checked`` it) and the blocks planned."""
+    plain = profiled.plain.peak
+    return NoPlanFits(
+        f"remat.plan: no plan fits a budget of {fmt_bytes(budget_bytes)} ({budget!r}, "
+        f"{budget_bytes} bytes); {named} {fmt_bytes(smallest)} "
+        f"({smallest} bytes, {smallest / max(plain, 1):.0%} of the plain step's "
+        f"{fmt_bytes(plain)}){checked}. Raise the budget. {_planned_blocks(profiled)}",
+        smallest,
+    )
+
+
 def solve(
     profiled: Profiled, budget: Any, charges: Mapping[tuple[int, int], int] | None = None
 ) -> Plan:
@@ -1245,14 +1270,7 @@ def solve(
     dp_seconds = time.perf_counter() - start
     if found is None:
         smallest = min(_smallest(v.costs, v.chain) for v in profiled.chains())
-        raise NoPlanFits(
-            f"remat.plan: no plan fits a budget of {fmt_bytes(budget_bytes)} ({budget!r}, "
-            f"{budget_bytes} bytes); the smallest that fits is {fmt_bytes(smallest)} "
-            f"({smallest} bytes, "
-            f"{smallest / max(plain.peak, 1):.0%} of the plain step's "
-            f"{fmt_bytes(plain.peak)}). Raise the budget. {_planned_blocks(profiled)}",
-            smallest,
-        )
+        raise _no_plan(profiled, budget, budget_bytes, smallest)
     picks, optimal, peak, seconds = found
     curve = []
     for fraction in (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.1):
@@ -1465,8 +1483,85 @@ def solve_measured(
     budget ]).
 
     The plan keeps the model's prediction (``predicted_peak``) and records the measurement
-    (``measured["verified_peak"]``) and how many solves it took.
+    (``measured["verified_peak"]``) and how many solves it took. Where no plan fits, the
+    :class:`NoPlanFits` raised names a budget a measured step confirmed (see [ The smallest
+    budget, measured ]).
     """
+    try:
+        return _solve_measured(profiled, budget, model, example_inputs, loss_fn, attempts, [])
+    except NoPlanFits as error:
+        raise _confirmed(
+            error, profiled, budget, model, example_inputs, loss_fn, attempts
+        ) from None
+
+
+# NOTE [ The smallest budget, measured ]
+#
+# The smallest budget the chain model predicts some plan fits is a prediction, and the model
+# can be low: blocks of one type are measured on the first one's input, and a mixture of
+# experts routes other tokens in each layer, so its other layers keep other bytes (a top-k
+# model at 10% named 2,426,452 bytes, and planning at exactly that measured 2,586,824). So
+# before ``NoPlanFits`` names a budget, the planner plans at it as ``solve_measured`` does, from
+# the same profile, and a plan that measures within it confirms it. Where none does, the
+# least peak those solves measured is above it, and is tried next, until a budget is
+# confirmed, or reaches the plain step's peak (the profile measured the plain step: every block
+# plain fits it), or ``_CONFIRM_STEPS`` measured steps are spent: then the error names the
+# budget it would have tried next and says that no plan was measured at it. Measured peaks
+# repeat from step to step (the allocator's events on the CPU), so planning at the named
+# budget from the same profile takes the same solves and returns the plan that confirmed it.
+_CONFIRM_STEPS = 12
+
+
+def _confirmed(
+    error: NoPlanFits,
+    profiled: Profiled,
+    budget: Any,
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    attempts: int,
+) -> NoPlanFits:
+    """The error to raise for ``budget``, where planning at it raised ``error``: one that
+    names a budget at which :func:`solve_measured` returns a plan from ``profiled`` (see
+    [ The smallest budget, measured ])."""
+    budget_bytes = parse_budget(budget, profiled.plain.peak)
+    candidate = max(error.smallest, budget_bytes + 1)
+    left = _CONFIRM_STEPS
+    while left > 0:
+        if budget_bytes < profiled.plain.peak <= candidate:  # the profile measured the plain step
+            checked = ": the plain step, every block plain, measured it"
+            return _no_plan(profiled, budget, budget_bytes, profiled.plain.peak, checked)
+        peaks: list[int] = []
+        try:
+            found = _solve_measured(
+                profiled, candidate, model, example_inputs, loss_fn, min(attempts, left), peaks
+            )
+        except NoPlanFits as again:
+            left -= max(len(peaks), 1)
+            candidate = max(again.smallest, candidate + 1)
+            continue
+        peak = found.measured["verified_peak"]
+        checked = f": a plan at that budget measured {fmt_bytes(peak)} ({peak} bytes)"
+        return _no_plan(profiled, budget, budget_bytes, candidate, checked)
+    unchecked = (
+        f": every plan of {_CONFIRM_STEPS} more measured steps, made for budgets below it, "
+        "measured above its budget, and no plan was measured at it"
+    )
+    return _no_plan(profiled, budget, budget_bytes, candidate, unchecked, "the next to try is")
+
+
+def _solve_measured(
+    profiled: Profiled,
+    budget: Any,
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    attempts: int,
+    peaks: list[int],
+) -> Plan:
+    """:func:`solve_measured` but for the error where no plan fits: that of the budget's own
+    solves, the least peak they measured (in ``peaks``, each measured step's) or the model's
+    prediction where none was measured."""
     # NOTE [ A plan measured above its budget ]
     #
     # A plan the model predicted at p measured m > budget. Either the model understates every
@@ -1480,7 +1575,6 @@ def solve_measured(
     # still excludes every failed plan (its charged prediction is at least m - u > target).
     budget_bytes = parse_budget(budget, profiled.plain.peak)
     failed: list[tuple[list[tuple[int, int]], int]] = []  # picks, and m - p
-    peaks: list[int] = []
     for attempt in range(1, attempts + 1):
         common = min((e for _, e in failed), default=0) if len(failed) > 1 else 0
         charges: dict[tuple[int, int], int] = {}

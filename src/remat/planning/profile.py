@@ -72,6 +72,11 @@ class BlockProfile:
     # Each of the block's tensor inputs that autograd saves in its forward (a first
     # LayerNorm's input), by bytes: what ``remat.offload`` moves besides the ops' results.
     saved_inputs: list[int] = field(default_factory=list)
+    # The bytes of each storage autograd saves in the block's forward, once per storage,
+    # whether it saves the tensor or views of it (the block's inputs among them, its
+    # parameters and buffers not): what ``remat.offload``, which decides by storage, moves.
+    # None for a profile made without it (by hand).
+    saved_storages: list[int] | None = None
 
 
 @dataclass
@@ -691,16 +696,29 @@ def profile_block(
         out = first_tensor(observed(*args, **kwargs))
     graph = observer.graph
     saved_inputs: dict[int | None, int] = {}  # by storage
+    # Every storage autograd saved, by ``storage_key``: all of them are alive here (the
+    # recording holds what it kept), so no two share a key.
+    storages: dict[int, int] = {}
+    state = {
+        key
+        for t in (*observed.parameters(), *observed.buffers())
+        if (key := storage_key(t)) is not None
+    }
     if graph is not None:
         tensors = graph.saved_inputs.tensors if graph.saved_inputs is not None else ()
         for packed in graph.packed:
             ref = getattr(packed(), "ref", None)
             node = getattr(ref, "node", None)
+            saved: torch.Tensor | None = None
             if isinstance(node, int) and node < len(observer.ops):
                 observer.ops[node].saved = True
+                held = graph.nodes[node].kept.get(getattr(ref, "key", None))
+                saved = getattr(held, "tensor", None)
             elif isinstance(ref, _Input) and ref.index < len(tensors):
-                t = tensors[ref.index]
-                saved_inputs[storage_key(t)] = t.untyped_storage().nbytes()
+                saved = tensors[ref.index]
+                saved_inputs[storage_key(saved)] = saved.untyped_storage().nbytes()
+            if saved is not None and (key := storage_key(saved)) is not None and key not in state:
+                storages[key] = saved.untyped_storage().nbytes()
     del out
     ops = observer.ops
     plain = copy.deepcopy(block)
@@ -732,4 +750,5 @@ def profile_block(
         ops=ops,
         forward_seconds=statistics.median(totals),
         saved_inputs=list(saved_inputs.values()),
+        saved_storages=list(storages.values()) if graph is not None else None,
     )
