@@ -485,7 +485,45 @@ def test_offload_measurement_runs_and_reports() -> None:
     assert "disk tier, gpt-small" in text and "ratio" in text
     # A step that does not raise the resident set (the heap holds its pages) reports no ratio.
     flat = {"rss_before_bytes": 2**20, "rss_peak_bytes": 2**20}
-    assert "        -" in offload.report({"size": "small", "rss": {"none": flat}, "io": io})
+    assert "     n/a" in offload.report({"size": "small", "rss": {"none": flat}, "io": io})
+
+
+def test_offload_ratios_to_less_than_a_mib_read_n_a_and_say_why_once() -> None:
+    """At the small size the plain step raises the resident set by a few pages and the
+    parameters are a fraction of a MiB: ratios to those are noise, not 41x or 503x."""
+    from remat.bench import offload
+
+    mib = 2**20
+    rss = {
+        "none": {"rss_before_bytes": 300 * mib, "rss_peak_bytes": 300 * mib + 4096},
+        "remat-block": {"rss_before_bytes": 300 * mib, "rss_peak_bytes": 300 * mib + 41 * 4096},
+    }
+    io = {
+        "bytes_written_per_step": mib, "bytes_read_per_step": mib, "directory": "/tmp",
+        "isolated_bytes": mib, "plain_step_seconds": 0.004, "offload_step_seconds": 0.04,
+        "time_ratio": 10.0,
+        **{
+            f"{prefix}{kind}_{what}_bytes_per_s": 1e9
+            for prefix in ("", "isolated_")
+            for kind in ("tier", "plain")
+            for what in ("write", "read")
+        },
+    }  # fmt: skip
+    model = {"param_bytes": 0.2 * mib, "optimizer_state_bytes": 0.4 * mib}
+    om = {
+        "offload": {**model, "peak_rss_bytes": 300 * mib, "step_seconds": [0.04]},
+        "plain": {"peak_rss_bytes": 300 * mib, "step_seconds": [0.01]},
+    }
+    text = offload.report({"size": "small", "rss": rss, "io": io, "offload_model": om})
+    assert "41.00" not in text and "(ratio n/a)" in text and "500.00" not in text
+    rows = [line.split() for line in text.splitlines() if line.startswith("  remat-block ")]
+    assert rows[0][-1] == "n/a", text
+    assert text.count("n/a: a ratio to less than 1.0 MiB") == 1
+    # At a size where they mean something, the ratios are printed and nothing is said.
+    big = {k: {"rss_before_bytes": 0, "rss_peak_bytes": 100 * mib} for k in rss}
+    om["offload"].update(param_bytes=10 * mib, optimizer_state_bytes=20 * mib)
+    text = offload.report({"size": "bench", "rss": big, "io": io, "offload_model": om})
+    assert "n/a" not in text and "(ratio 10.00)" in text
 
 
 def test_budgets_take_fractions_and_the_word_torch() -> None:
@@ -550,9 +588,66 @@ def test_a_quiet_control_still_leaves_a_percent_of_noise() -> None:
             budget_bytes=20.0 * mib, budget_feasible=True,
         ),
     ]  # fmt: skip
-    (found,) = report.dominance(rows, control_ratio=1.0)
+    (found,) = report.dominance(rows, control_ratio=1.0, rounds=5)
     assert found.verdict == "ties (within the control)"
     assert found.control_spread == report.MIN_SPREAD
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_fewer_than_three_rounds_give_no_verdict(rounds: int) -> None:
+    """A plan 12% faster than torch in one or two rounds is not said to dominate it: single
+    rounds move by more than that here."""
+    mib = 2**20
+    rows = [
+        report.Row("torch-block", "t", 20 * mib, 0.2, 1.5, 1.5, True),
+        report.Row(
+            "remat-auto@torch-block", "p", 20 * mib, 0.2, 1.3, 1.3, True, "torch-block", 0.888,
+            budget_bytes=20.0 * mib, budget_feasible=True,
+        ),
+    ]  # fmt: skip
+    (found,) = report.dominance(rows, control_ratio=1.0, rounds=rounds)
+    assert found.verdict.startswith(report.TOO_FEW_ROUNDS)
+    (found,) = report.dominance(rows, control_ratio=1.0, rounds=report.MIN_ROUNDS)
+    assert found.verdict == "dominates"
+
+
+def _timed(rounds: int, contended: int, used: int, control: float) -> report.Result:
+    return dataclasses.replace(
+        _result(),
+        rounds=rounds,
+        contended_rounds=contended,
+        used_rounds=used,
+        control_time_ratio=control,
+    )
+
+
+def test_a_timing_warning_names_what_makes_the_times_unreliable() -> None:
+    assert report.timing_warning(_timed(7, 0, 7, 1.0)) is None
+    # Contended rounds left out, three or more clean ones used: reliable.
+    assert report.timing_warning(_timed(7, 2, 5, 1.0)) is None
+    assert "medians of 1 round)" in (report.timing_warning(_timed(1, 0, 1, 1.0)) or "")
+    kept = report.timing_warning(_timed(4, 2, 4, 1.0)) or ""
+    assert "2 of the 4 rounds used had other processes competing for the CPU" in kept
+    wide = report.timing_warning(_timed(7, 0, 7, 0.85)) or ""
+    assert "the timing control reads 0.850, outside 0.9-1.1" in wide
+    assert "--rounds" in wide and "--processes" in wide and "quiet machine" in wide
+
+
+def test_the_table_shows_three_significant_figures_of_small_peaks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rows = [
+        report.Row("none", "x", int(0.416 * 2**20), 1.0, 1.0, 1.0, True),
+        report.Row("torch-block", "x", int(0.1645 * 2**20), 0.4, 1.0, 1.0, True),
+        report.Row("remat-auto@50%", "x", int(0.1602 * 2**20), 0.4, 1.0, 1.0, True),
+    ]
+    report.print_table(report.Result("w", "d", "cpu", 3, 0, 3, rows, {}))
+    out = capsys.readouterr().out
+    assert "0.416" in out and "0.164" in out and "0.160" in out
+    assert [report.mib(x * 2**20) for x in (558.14, 21.34, 0.2134, 0.0)] == [
+        "558.1", "21.3", "0.213", "0.0"
+    ]  # fmt: skip
+    assert report.mib(20 * 2**20, 2) == "20.00"
 
 
 def test_dominance_lines_follow_the_rows() -> None:
@@ -570,7 +665,7 @@ def test_dominance_lines_follow_the_rows() -> None:
             0.92, budget_bytes=60.0 * mib, budget_feasible=True,
         ),
     ]  # fmt: skip
-    found = report.dominance(rows, control_ratio=0.97)
+    found = report.dominance(rows, control_ratio=0.97, rounds=5)
     assert [(d.torch, d.verdict) for d in found] == [
         ("torch-block", "no plan fits"),
         ("torch-every-2", "dominates"),

@@ -156,7 +156,8 @@ def test_bench_plans_at_each_torch_peak(tmp_path: Path, capsys: pytest.CaptureFi
     # The control's distance from 1, but never below the 1% a verdict always allows.
     spread = max(abs(data["control_time_ratio"] - 1), MIN_SPREAD)
     assert found["control_spread"] == pytest.approx(spread)
-    assert found["verdict"] in ("dominates", "ties (within the control)", "slower")
+    # One round gives no verdict (three quiet rounds do: the stubbed tests below).
+    assert found["verdict"] == "too few rounds for a verdict (1 round; it takes 3)"
     assert f"(control +-{found['control_spread']:.3f}): {found['verdict']}" in out
 
 
@@ -241,6 +242,8 @@ BAD: list[tuple[list[str], str]] = [
     ),
     (["--strategies", ""], "--strategies takes a comma-separated list, got '', with an empty"),
     (["--disk-budgets", "0.5,,0.2"], "--disk-budgets takes a comma-separated list, got '0.5,,0.2'"),
+    (["--hf", "gpt2", "--workload", "mlp"], "--hf gpt2 and --workload mlp both name the model"),
+    (["--hf", "gpt2", "--workload", "gpt"], "--hf gpt2 and --workload gpt both name the model"),
 ]
 
 
@@ -289,8 +292,16 @@ def test_the_bench_on_cuda_without_cuda_stops_before_any_work(
 
 @pytest.mark.parametrize(("argv", "message"), BAD)
 def test_bad_input_is_one_line_and_exit_2(
-    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    def measured(*args: Any) -> Any:
+        raise AssertionError(f"remat bench {argv} measured instead of refusing")
+
+    monkeypatch.setattr(cli, "_run", measured)  # an input refused is refused before measuring
     out_json = tmp_path / "never.json"
     code, _, err = _run(capsys, "bench", *argv, "--json", str(out_json), "--no-progress")
     assert code == 2
@@ -379,3 +390,255 @@ def test_python_dash_m_remat_cli_reaches_every_subcommand() -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "remat bench --solve-time: plans a 48-layer gpt" in done.stderr
+
+
+def _fake_run(
+    monkeypatch: pytest.MonkeyPatch,
+    rounds: list[tuple[float, bool]],
+    peaks: dict[str, int] | None = None,
+) -> None:
+    """Stub out the measurements of ``remat bench``: each timed round is ``(control ratio,
+    contended)``, every planned strategy 10% faster than its torch strategy, memory from
+    ``peaks`` (bytes, default 1 MiB less per strategy); the rest of the run (verdicts, table,
+    files) is the real one."""
+    from remat.bench.strategies import matched_torch
+
+    def run(
+        base: dict[str, Any],
+        strategies: list[str],
+        n: int,
+        processes: int,
+        workload: Any,
+        name: str,
+        progress: bool,
+    ) -> Any:
+        names = ["none", *[s for s in strategies if s != "none"]]
+        memory: dict[str, dict[str, Any]] = {}
+        for i, s in enumerate(names):
+            peak = (peaks or {}).get(s, (20 - i) * 2**20)
+            memory[s] = {"peak_bytes": peak, "grads_equal": True}
+            torch_name = matched_torch(s)
+            if torch_name is not None:
+                memory[s].update(budget_bytes=float(peak), budget_feasible=True)
+        timed = []
+        for control, contended in rounds:
+            seconds = {s: 1.0 for s in names}
+            seconds.update({s: 0.9 for s in names if matched_torch(s) is not None})
+            seconds[measure.CONTROL] = control
+            faults = dict.fromkeys(seconds, 0)
+            timed.append({"seconds": seconds, "faults": faults, "contended": contended})
+        timing = measure.summarize(names, timed)
+        return cli._result(base, names, memory, timing, workload, name, processes)
+
+    monkeypatch.setattr(cli, "_run", run)
+
+
+def _stubbed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, *argv: str
+) -> tuple[str, dict[str, Any]]:
+    code, out, err = _run(
+        capsys, "bench", "--size", "small", "--json", str(tmp_path / "r.json"), *argv
+    )
+    assert code == 0, err
+    return out, json.loads((tmp_path / "r.json").read_text())
+
+
+def _after_table(out: str, description: str) -> str:
+    """The line printed right under the table (its caption is the workload's description)."""
+    lines = out.splitlines()
+    (caption,) = [i for i, line in enumerate(lines) if description[:40] in line]
+    return lines[caption + 1]
+
+
+@pytest.mark.parametrize("rounds", [[(1.0, False)], [(1.0, False), (1.0, False)]])
+def test_fewer_than_three_rounds_give_no_verdict_and_a_warning_under_the_table(
+    rounds: list[tuple[float, bool]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fake_run(monkeypatch, rounds)
+    argv = ("--strategies", "torch-block", "--budgets", "torch", "--rounds", str(len(rounds)))
+    out, data = _stubbed(capsys, tmp_path, *argv)
+    (found,) = data["dominance"]
+    assert found["verdict"].startswith("too few rounds for a verdict")
+    assert "dominates" not in out and "too few rounds for a verdict" in out
+    warning = _after_table(out, data["description"])
+    assert warning.startswith("WARNING: the step times and time ratios above are not reliable")
+    assert "--rounds 7" in warning and "--processes" in warning and "quiet machine" in warning
+
+
+def test_three_quiet_rounds_give_a_verdict_and_no_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_run(monkeypatch, [(1.0, False)] * 3)
+    out, data = _stubbed(capsys, tmp_path, "--strategies", "torch-block", "--budgets", "torch")
+    assert data["dominance"][0]["verdict"] == "dominates"
+    assert "WARNING" not in out
+
+
+@pytest.mark.parametrize(
+    ("rounds", "why"),
+    [
+        # Two of four rounds clean: the contended ones are kept, for want of three clean ones.
+        ([(1.0, True), (1.0, True), (1.0, False), (1.0, False)], "2 of the 4 rounds used had"),
+        ([(1.2, False)] * 3, "the timing control reads 1.200, outside 0.9-1.1"),
+    ],
+)
+def test_contended_rounds_kept_or_a_wide_control_warn_under_the_table(
+    rounds: list[tuple[float, bool]],
+    why: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fake_run(monkeypatch, rounds)
+    out, data = _stubbed(capsys, tmp_path, "--strategies", "torch-block")
+    warning = _after_table(out, data["description"])
+    assert warning.startswith("WARNING: the step times") and why in warning, out
+
+
+def test_the_plot_goes_next_to_the_json_and_replacing_a_file_says_so(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fake_run(monkeypatch, [(1.0, False)] * 3)
+    monkeypatch.chdir(tmp_path)
+    out_json = tmp_path / "results" / "run1.json"
+    argv = ("bench", "--size", "small", "--strategies", "torch-block", "--json", str(out_json))
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert (tmp_path / "results" / "run1.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "bench-out").exists() and "overwrote" not in out
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert f"overwrote {out_json} and {out_json.with_suffix('.png')}" in out
+
+
+@pytest.mark.parametrize(("suffix", "magic"), [(".svg", b"<?xml"), (".pdf", b"%PDF")])
+def test_the_plot_is_written_in_the_format_its_suffix_names(
+    suffix: str,
+    magic: bytes,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fake_run(monkeypatch, [(1.0, False)] * 3)
+    plot = tmp_path / f"out{suffix}"
+    _stubbed(capsys, tmp_path, "--strategies", "torch-block", "--plot", str(plot))
+    assert plot.read_bytes().startswith(magic)
+
+
+@pytest.mark.parametrize("name", ["out.bmpx", "out"])
+def test_a_plot_suffix_matplotlib_cannot_write_is_refused_before_measuring(
+    name: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def never(*args: Any) -> Any:
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(cli, "_run", never)
+    plot = tmp_path / "plots" / name
+    code, _, err = _run(capsys, "bench", "--plot", str(plot), "--json", str(tmp_path / "r.json"))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--plot {plot} has" in err and ".png" in err and ".svg" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_result_files_get_the_mode_a_plain_open_gives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_run(monkeypatch, [(1.0, False)] * 3)
+    previous = os.umask(0o027)
+    try:
+        _stubbed(capsys, tmp_path, "--strategies", "torch-block", "--plot", str(tmp_path / "p.png"))
+    finally:
+        os.umask(previous)
+    for name in ("r.json", "p.png"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o640, name
+    # A file replaced keeps its own mode, as open() leaves it.
+    (tmp_path / "r.json").chmod(0o644)
+    _stubbed(capsys, tmp_path, "--strategies", "torch-block", "--plot", str(tmp_path / "p.png"))
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_the_json_says_what_produced_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import platform
+
+    _fake_run(monkeypatch, [(1.0, False)] * 3)
+    argv = ("--seed", "3", "--strategies", "torch-block", "--budgets", "50%,torch", "--rounds", "3")
+    _, data = _stubbed(capsys, tmp_path, *argv)
+    run = data["run"]
+    assert run["command"].startswith("remat bench --size small --json ")
+    assert run["command"].endswith("--budgets 50%,torch --rounds 3")
+    assert (run["seed"], run["size"], run["workload"], run["hf"]) == (3, "small", "gpt", None)
+    assert run["strategies"] == ["torch-block"] and run["budgets"] == ["50%", "torch"]
+    assert run["disk_budgets"] == [] and run["rounds"] == 3 and run["processes"] == 1
+    assert run["remat"] == remat.__version__ and run["torch"] == torch.__version__
+    assert run["python"] == platform.python_version()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", run["date"])
+    # The fields that were there before keep their meaning.
+    assert data["workload"] == "gpt-small" and data["rounds"] == 3 and data["processes"] == 1
+    assert [r["strategy"] for r in data["rows"]] == [
+        "none", "torch-block", "remat-auto@50%", "remat-auto@torch-block"
+    ]  # fmt: skip
+    # The default strategies and budgets are recorded as run.
+    _, data = _stubbed(capsys, tmp_path, "--workload", "mlp")
+    assert data["run"]["strategies"] is None
+    assert data["run"]["budgets"] == ["0.75", "0.5", "0.25", "torch"]
+    assert data["run"]["disk_budgets"] == ["0.18"]
+
+
+def test_budgets_take_percentages_as_strategy_names_write_them() -> None:
+    run = ["none", "torch-block"]
+    assert cli._budgets("50%,12.5%", run) == ["remat-auto@50%", "remat-auto@12.5%"]
+    assert cli._budgets("50%", run) == cli._budgets("0.5", run)
+    assert cli._disk_budgets("18%") == ["remat-auto-disk@18%"]
+    for bad in ("150%", "0%", "%", "x%"):
+        with pytest.raises(remat.RematError, match="fractions in"):
+            cli._budgets(bad, run)
+
+
+def test_every_option_has_help() -> None:
+    bench = cli._parser()._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
+    assert all(action.help for action in bench._actions), [
+        action.dest for action in bench._actions if not action.help
+    ]
+    help_text = bench.format_help()
+    # NAME is said; the plot follows --json.
+    assert "NAME the workload and size" in " ".join(help_text.split())
+    assert "--json's path with .png" in " ".join(help_text.split())
+
+
+def test_a_sigterm_stops_the_bench_as_ctrl_c_does(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import signal
+    import tempfile
+
+    left: list[str] = []
+
+    def terminated(args: Any) -> int:
+        with tempfile.TemporaryDirectory(prefix="remat-bench-") as directory:
+            left.append(directory)
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise AssertionError("SIGTERM did not stop the run")
+        return 0
+
+    def not_routed(signum: int, frame: object) -> None:
+        raise AssertionError("remat bench left SIGTERM to the handler it found")
+
+    monkeypatch.setattr(cli, "_bench", terminated)
+    before = signal.signal(signal.SIGTERM, not_routed)  # not this test runner's death
+    try:
+        code, _, err = _run(capsys, "bench", "--list")
+        assert signal.getsignal(signal.SIGTERM) is not_routed  # put back after the run
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert (code, err) == (143, "remat bench: terminated.\n")
+    assert left and not os.path.exists(left[0])

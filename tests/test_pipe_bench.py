@@ -27,7 +27,7 @@ def test_in_process_rows_measure_memory_and_time() -> None:
     assert all(row.step_seconds > 0 for row in result.rows)
     assert result.balance == [3, 3] and result.batch_rows == 4
     table = result.table()
-    assert "pipe-always" in table and "vs plain" in table
+    assert "pipe-always" in table and "vs plain" in table and ", 1 round\n" in table
     again = pipeline.from_json(json.loads(json.dumps(dataclasses.asdict(result))))
     assert again == result
 

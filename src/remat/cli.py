@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--budgets",
         help="comma-separated memory budgets as fractions of the plain step's activation peak "
-        "(e.g. 0.5,0.25,0.1): adds a remat-auto@50%%-style strategy per budget, planned by "
-        "remat.plan from one profile, with its prediction next to the measurement; the word "
+        "or percentages of it (e.g. 0.5,0.25,10%%): adds a remat-auto@50%%-style strategy per "
+        "budget, planned by remat.plan from one profile, with its prediction next to the "
+        "measurement; the word "
         "torch adds remat-auto@torch-block-style strategies, one per torch strategy of the run, "
         "planned at its measured peak and timed against it, with a line after the table on "
         "whether the planned point dominates the torch one "
@@ -94,7 +97,13 @@ def _parser() -> argparse.ArgumentParser:
         "backward outside it, as a mixed-precision loop does; the planner plans that loop "
         "(default: the model's own dtype, float32)",
     )
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the model's parameters, the batch and dropout, the same for every "
+        "strategy (default: 0)",
+    )
     bench.add_argument(
         "--allocator",
         choices=("cached", "system"),
@@ -104,8 +113,19 @@ def _parser() -> argparse.ArgumentParser:
         "and no step pays for fresh pages that an earlier step of another strategy gave back; "
         "'system' keeps glibc's dynamic thresholds",
     )
-    bench.add_argument("--json", type=Path, help="JSON output (default: bench-out/NAME.json)")
-    bench.add_argument("--plot", type=Path, help="PNG output (default: bench-out/NAME.png)")
+    bench.add_argument(
+        "--json",
+        type=Path,
+        help="JSON output (default: bench-out/NAME.json, NAME the workload and size, e.g. "
+        "gpt-medium, hf-gpt2-medium, gpt-medium-bf16 with --autocast; offload-gpt-SIZE, "
+        "pipeline-unet-SIZE and solve-time-gpt for those runs)",
+    )
+    bench.add_argument(
+        "--plot",
+        type=Path,
+        help="plot output, in the format its suffix names: .png, .svg, .pdf, ... "
+        "(default: --json's path with .png, else bench-out/NAME.png)",
+    )
     bench.add_argument(
         "--no-progress",
         action="store_true",
@@ -136,14 +156,45 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the results' provenance
     try:
-        return _bench(args)
+        with _terminate_as_interrupt():
+            return _bench(args)
     except RematError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except _Terminated:
+        print("remat bench: terminated.", file=sys.stderr)
+        return 128 + 15
     except KeyboardInterrupt:  # the measuring processes are stopped and their files gone
         print("remat bench: interrupted.", file=sys.stderr)
         return 130
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so that it stops as after Ctrl-C: the measuring
+    processes stopped and the temporary files gone."""
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`_Terminated` (in the main thread; elsewhere
+    signals cannot be handled and SIGTERM keeps its handler)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # What each run other than the strategy table reads of the options; any other one given to it
@@ -189,7 +240,9 @@ def _bench(args: argparse.Namespace) -> int:
     # The options given other than as their defaults, before the defaults that depend on the
     # run are filled in.
     defaults = vars(_parser().parse_args(["bench"]))
-    args.given = [name for name, value in vars(args).items() if value != defaults.get(name)]
+    args.given = [
+        name for name, value in vars(args).items() if name in defaults and value != defaults[name]
+    ]
     mode = " --offload" if args.offload else " --pipeline" if args.pipeline else ""
     if args.size is None:
         args.size = "small" if mode else "medium"
@@ -227,6 +280,11 @@ def _bench(args: argparse.Namespace) -> int:
         )
         print("workloads:", ", ".join(WORKLOAD_NAMES), "| --hf: gpt2, llama, bert")
         return 0
+    if args.hf is not None and "workload" in args.given:
+        raise RematError(
+            f"remat bench: --hf {args.hf} and --workload {args.workload} both name the model; "
+            "give one."
+        )
     if args.hf is not None:
         from .bench.hf import get_hf_workload
 
@@ -266,26 +324,36 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import report
 
     json_path = args.json or Path("bench-out") / f"{name}.json"
-    plot_path = args.plot or Path("bench-out") / f"{name}.png"
+    # The plot goes next to its JSON, so that a run's two files are found and replaced together.
+    plot_path = args.plot or json_path.with_suffix(".png")
     if json_path.resolve() == plot_path.resolve():
         raise RematError(
             f"remat bench: --json and --plot name the same file, {json_path}; the plot would "
-            "overwrite the results. Give them two paths."
+            "overwrite the results. Give them two paths"
+            + ("." if args.plot else " (the plot goes to --json's path with .png; give --plot).")
         )
-    for path in (json_path, plot_path):
-        report.check_writable(path)
     _require("rich", "the table and progress bar")
     _require("matplotlib", "the plot")
+    report.check_plot_format(plot_path)
+    for path in (json_path, plot_path):
+        report.check_writable(path)
 
     base = {"workload": args.workload, "size": args.size, "hf": args.hf, "seed": args.seed}
     base["device"] = args.device
     base["allocator"] = args.allocator
     base["autocast"] = _AUTOCAST[args.autocast] if args.autocast else None
+    run = _provenance(args)
+    run["budgets"] = _names(budgets, "--budgets") if budgets is not None else []
+    run["disk_budgets"] = _names(disk_budgets, "--disk-budgets") if disk_budgets else []
     result = _run(
         base, strategies, args.rounds, args.processes, workload, name, not args.no_progress
     )
+    result = dataclasses.replace(result, run=run)
 
     report.print_table(result)
+    warning = report.timing_warning(result)
+    if warning is not None:
+        print(warning)
     if result.recording_us_per_op is not None:
         floor = result.dispatch_mode_us_per_op
         print(
@@ -316,19 +384,65 @@ def _bench(args: argparse.Namespace) -> int:
     _print_planning(result)
     faults = ", ".join(f"{r.strategy} {r.faults_per_step:,.0f}" for r in result.rows)
     print(f"minor page faults per step ({result.allocator} allocator): {faults}")
-    if result.contended_rounds:
+    if result.contended_rounds and result.used_rounds < result.rounds:
+        # Where they were kept instead, the warning under the table says so.
         print(
             f"note: other processes competed for the CPU in {result.contended_rounds} of "
-            f"{result.rounds} timed rounds; {result.used_rounds} rounds were used."
+            f"{result.rounds} timed rounds, left out; {result.used_rounds} rounds were used."
         )
     if result.dominance:
         print("the planner at each torch strategy's measured peak (time: paired median ratio):")
         for line in report.dominance_lines(result):
             print(f"  {line}")
+    replaced = [path for path in (json_path, plot_path) if path.exists()]
     report.write_json(result, json_path)
     report.write_plot(result, plot_path)
     print(f"wrote {json_path} and {plot_path}")
+    _overwrote(replaced)
     return 0
+
+
+def _provenance(args: argparse.Namespace, mode: str | None = None) -> dict[str, Any]:
+    """What produced a result, for its JSON: the command line, the date it started, the
+    versions of remat, torch and Python, and the options that choose what was measured (for a
+    ``mode`` of ``_MODES``, those it reads). The strategies are those asked for by name
+    (``None``: every registered one the workload supports)."""
+    import datetime
+    import platform
+    import shlex
+
+    import torch
+
+    from . import __version__
+
+    options = {
+        "workload": None if args.hf is not None else args.workload,
+        "hf": args.hf,
+        "size": args.size,
+        "seed": args.seed,
+        "strategies": None if args.strategies is None else _names(args.strategies, "--strategies"),
+        "rounds": args.rounds,
+        "processes": args.processes,
+        "device": args.device,
+        "autocast": args.autocast,
+        "allocator": args.allocator,
+    }
+    if mode is not None:
+        options = {k: v for k, v in options.items() if k in _MODES[mode][1]}
+    return {
+        "command": shlex.join(["remat", *args.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "remat": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        **options,
+    }
+
+
+def _overwrote(paths: list[Path]) -> None:
+    """Say which output files replaced ones that were there before the run wrote them."""
+    if paths:
+        print(f"overwrote {' and '.join(str(p) for p in paths)} (from an earlier run)")
 
 
 def _print_planning(result: Any) -> None:
@@ -357,10 +471,13 @@ def _pipeline(args: argparse.Namespace) -> int:
     report.check_writable(json_path)
     request = {"size": args.size, "rounds": args.rounds, "seed": args.seed}
     request["device"] = args.device
+    run = _provenance(args, "pipeline")
     result = pipeline.measure_in_subprocess(request)
     print(result.table())
-    pipeline.write_json(result, json_path)
+    replaced = [json_path] if json_path.exists() else []
+    pipeline.write_json(result, json_path, run)
     print(f"wrote {json_path}")
+    _overwrote(replaced)
     return 0
 
 
@@ -485,7 +602,10 @@ def _times(
     """Step times of every strategy, in ``processes`` timing processes, pooled."""
     from .bench import measure
 
-    step(f"step times: {processes} x {rounds} rounds x {len(names)} strategies")
+    step(
+        f"step times: {processes} x {rounds} round{'s' if rounds > 1 else ''} x {len(names)} "
+        "strategies"
+    )
     request = {**base, "kind": "time", "strategies": names, "rounds": rounds}
     timed = []
     for process in range(processes):
@@ -557,7 +677,7 @@ def _result(
         processes=processes,
         round_seconds=[r["seconds"] for r in timing["timed_rounds"]],
         profile_seconds=profiles[0] if profiles else None,
-        dominance=report.dominance(rows, timing["control"]["ratio"]),
+        dominance=report.dominance(rows, timing["control"]["ratio"], rounds=timing["used_rounds"]),
     )
 
 
@@ -640,20 +760,23 @@ def _disk_budgets(text: str | None) -> list[str]:
 
 
 def _fraction(part: str, flag: str = "--budgets") -> float:
+    """A budget as a fraction of the plain step's peak: ``0.5`` or ``50%``, as the strategy
+    names (``remat-auto@50%``) and ``remat.plan`` write it."""
     try:
-        fraction = float(part)
+        fraction = float(part[:-1]) / 100 if part.endswith("%") else float(part)
     except ValueError:
         fraction = -1.0
     if not 0.0 < fraction <= 1.0:
         if flag != "--budgets":
             raise RematError(
                 f"remat bench: {flag} takes fractions in (0, 1] of the plain step's activation "
-                f"peak, separated by commas, e.g. 0.2,0.15; got {part!r}."
+                f"peak or percentages, separated by commas, e.g. 0.2,15%; got {part!r}."
             )
         raise RematError(
             f"remat bench: --budgets takes fractions in (0, 1] of the plain step's activation "
-            f"peak, or the word torch (each torch strategy's measured peak), separated by commas, "
-            f"e.g. 0.5,0.25,torch; got {part!r}{did_you_mean(part.strip(), ['torch'])}."
+            f"peak or percentages, or the word torch (each torch strategy's measured peak), "
+            f"separated by commas, e.g. 0.5,25%,torch; got "
+            f"{part!r}{did_you_mean(part.strip(), ['torch'])}."
         )
     return fraction
 
@@ -721,11 +844,14 @@ def _solve_time(args: argparse.Namespace) -> int:
     suffix = f"-{args.autocast}" if args.autocast else ""
     json_path = args.json or Path("bench-out") / f"solve-time-gpt{suffix}.json"
     report.check_writable(json_path)
+    run = _provenance(args, "solve_time")
     result = solve_time.measure(seed=args.seed, autocast=_autocast_dtype(args))
     print(solve_time.report(result))
+    replaced = [json_path] if json_path.exists() else []
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=1))
+    json_path.write_text(json.dumps({**result, "run": run}, indent=1))
     print(f"wrote {json_path}")
+    _overwrote(replaced)
     return 0
 
 
@@ -738,11 +864,14 @@ def _offload(args: argparse.Namespace) -> int:
     _refuse_unused(args)
     json_path = args.json or Path("bench-out") / f"offload-gpt-{args.size}.json"
     report.check_writable(json_path)
+    run = _provenance(args, "offload")
     result = offload.measure(args.size, args.seed, args.rounds)
     print(offload.report(result))
+    replaced = [json_path] if json_path.exists() else []
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=1))
+    json_path.write_text(json.dumps({**result, "run": run}, indent=1))
     print(f"wrote {json_path}")
+    _overwrote(replaced)
     return 0
 
 

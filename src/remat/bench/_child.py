@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,6 +92,9 @@ class ForkServer:
     def __exit__(self, *exc: object) -> None:
         if self.server is not None:
             assert self.server.stdin is not None and self.server.stdout is not None
+            if exc[0] is not None:
+                # Stopped (SIGTERM, an error): the measurement under way is not waited for.
+                self.server.terminate()
             self.server.stdin.close()
             self.server.wait()
             self.server.stdout.close()
@@ -144,10 +148,19 @@ def _serve(module_name: str, preload: Sequence[str]) -> None:
     # A child forked after CUDA was initialized cannot use CUDA: the server never touches it.
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         raise SystemExit(f"remat bench: importing {[module_name, *preload]} initialized CUDA.")
+    running = 0  # the child measuring now, stopped with the server on SIGTERM
+
+    def stop(signum: int, frame: object) -> None:
+        if running:
+            os.kill(running, signal.SIGKILL)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
     for line in sys.stdin:
         order = json.loads(line)
         pid = os.fork()
         if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             code = 1
             try:
                 # The child's output goes to a file: the server's stdout carries the replies.
@@ -164,7 +177,9 @@ def _serve(module_name: str, preload: Sequence[str]) -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
+        running = pid
         _, status = os.waitpid(pid, 0)
+        running = 0
         print(os.waitstatus_to_exitcode(status), flush=True)
 
 

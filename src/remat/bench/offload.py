@@ -205,6 +205,10 @@ def measure(
     return result
 
 
+# The least a ratio's denominator (bytes) may be for the ratio to be printed.
+_MIN_DENOMINATOR = 2**20
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -230,10 +234,13 @@ def report(result: dict[str, Any]) -> str:
     lines.append(
         f"  {'strategy':18} {'peak RSS':>12} {'vs none':>8} {'rise in step':>14} {'vs none':>8}"
     )
+    tiny = False  # some ratio is to less than a MiB, and reads n/a
     for name, r in rss.items():
         rise = r["rss_peak_bytes"] - r["rss_before_bytes"]
-        # A small step may not raise the resident set at all (the heap holds its pages).
-        versus = f"{rise / none_rise:8.2f}" if none_rise > 0 else f"{'-':>8}"
+        # A small step may raise the resident set by nothing or a few pages (the heap holds
+        # its pages): a ratio to that is noise.
+        tiny |= none_rise < _MIN_DENOMINATOR
+        versus = f"{rise / none_rise:8.2f}" if none_rise >= _MIN_DENOMINATOR else f"{'n/a':>8}"
         lines.append(
             f"  {name:18} {_mib(r['rss_peak_bytes']):>12} {r['rss_peak_bytes'] / none_peak:8.2f}"
             f" {_mib(rise):>14} {versus}"
@@ -258,12 +265,20 @@ def report(result: dict[str, Any]) -> str:
     if om is not None:
         o, p = om["offload"], om["plain"]
         bound = o["param_bytes"] + o["optimizer_state_bytes"]
+        tiny |= bound < _MIN_DENOMINATOR
+        ratio = f"{o['peak_rss_bytes'] / bound:.2f}" if bound >= _MIN_DENOMINATOR else "n/a"
         lines.append(
             f"OffloadModel on disk (CPU, AdamW): peak RSS {_mib(o['peak_rss_bytes'])} vs "
-            f"parameters + optimizer state {_mib(bound)} (ratio {o['peak_rss_bytes'] / bound:.2f});"
+            f"parameters + optimizer state {_mib(bound)} (ratio {ratio});"
             f" plain step peak RSS {_mib(p['peak_rss_bytes'])}; step "
             f"{statistics.median(o['step_seconds']):.2f} s vs plain "
             f"{statistics.median(p['step_seconds']):.2f} s"
+        )
+    if tiny:
+        lines.append(
+            f"n/a: a ratio to less than {_mib(_MIN_DENOMINATOR)} says nothing (at "
+            f"gpt-{result['size']} a step's tensors fit in pages the process already holds); use "
+            "--size bench."
         )
     return "\n".join(lines)
 

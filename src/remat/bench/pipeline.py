@@ -73,7 +73,8 @@ class PipelineResult:
         lines = [
             f"{self.workload}: {self.description}",
             f"batch {self.batch_rows} rows, {self.chunks} micro-batches, {self.partitions} "
-            f"partitions (balance {self.balance}), device {self.device}, {self.rounds} rounds",
+            f"partitions (balance {self.balance}), device {self.device}, {self.rounds} "
+            f"round{'s' if self.rounds != 1 else ''}",
             "",
             f"{'strategy':<20} {'peak MiB':>9} {'per stage MiB':<22} {'step ms':>9} "
             f"{'vs plain':>8}",
@@ -317,9 +318,14 @@ def run(
     return result
 
 
-def write_json(result: PipelineResult, path: Path) -> None:
+def write_json(result: PipelineResult, path: Path, run: dict[str, Any] | None = None) -> None:
+    """The result as JSON, with ``run`` (what produced it: ``remat bench``'s command line,
+    date and versions) under ``"run"`` where given."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(result), indent=2))
+    data = asdict(result)
+    if run is not None:
+        data["run"] = run
+    path.write_text(json.dumps(data, indent=2))
 
 
 def from_json(data: dict[str, Any]) -> PipelineResult:

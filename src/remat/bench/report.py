@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
+import stat
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -123,6 +125,9 @@ class Result:
     round_seconds: list[dict[str, float]] | None = None  # each round's step times, by strategy
     profile_seconds: float | None = None  # remat.plan's one profile for all planned strategies
     dominance: list[Dominance] = field(default_factory=list)  # one per remat-auto@torch-...
+    # What produced the result: the command line, the date, the versions, the options asked
+    # for (``remat bench``'s ``_provenance``).
+    run: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,6 +137,16 @@ class Result:
 # same code's ratio moves by about 1% from run to run here (docs/benchmarks.md: 0.993, then
 # 1.003), so a plan 0.5% faster than torch in one run does not dominate it.
 MIN_SPREAD = 0.01
+
+# The fewest rounds (pooled over timing processes) whose median a verdict is drawn from: a
+# single round's ratio moves by 10-20% here (docs/benchmarks.md: single rounds from 0.83 to
+# 1.40), and the median of two is their mean.
+MIN_ROUNDS = 3
+TOO_FEW_ROUNDS = "too few rounds for a verdict"
+
+# A timing control (the plain step against a second plain model) outside this range says the
+# run's step times moved by more than the differences the table is read for.
+CONTROL_RANGE = (0.9, 1.1)
 
 
 def verdict(planned_peak: float, torch_peak: float, time_ratio: float, spread: float) -> str:
@@ -148,9 +163,10 @@ def verdict(planned_peak: float, torch_peak: float, time_ratio: float, spread: f
     return "slower"
 
 
-def dominance(rows: list[Row], control_ratio: float | None) -> list[Dominance]:
+def dominance(rows: list[Row], control_ratio: float | None, *, rounds: int) -> list[Dominance]:
     """One :class:`Dominance` per ``remat-auto@torch-...`` row whose torch strategy is in
-    ``rows``, in the order of the rows."""
+    ``rows``, in the order of the rows. ``rounds``: the timed rounds the ratios are medians of;
+    below :data:`MIN_ROUNDS` the verdict is :data:`TOO_FEW_ROUNDS`."""
     from .strategies import matched_torch
 
     spread = max(abs(control_ratio - 1.0) if control_ratio is not None else 0.0, MIN_SPREAD)
@@ -166,6 +182,8 @@ def dominance(rows: list[Row], control_ratio: float | None) -> list[Dominance]:
             judged = "no plan fits"
         elif ratio is None:
             judged = "not timed"
+        elif rounds < MIN_ROUNDS:
+            judged = f"{TOO_FEW_ROUNDS} ({_rounds(rounds)}; it takes {MIN_ROUNDS})"
         else:
             judged = verdict(planned.peak_bytes, torch_row.peak_bytes, ratio, spread)
         found.append(
@@ -183,21 +201,62 @@ def dominance(rows: list[Row], control_ratio: float | None) -> list[Dominance]:
     return found
 
 
+def _rounds(n: int) -> str:
+    return f"{n} round{'' if n == 1 else 's'}"
+
+
+def timing_warning(result: Result) -> str | None:
+    """A warning for the line under the table where the run's step times are not reliable:
+    fewer than :data:`MIN_ROUNDS` rounds, rounds in which other processes competed for the CPU
+    kept for want of clean ones, or a timing control outside :data:`CONTROL_RANGE`; what to do
+    about it. ``None`` where none of these holds."""
+    why = []
+    if result.used_rounds < MIN_ROUNDS:
+        why.append(f"medians of {_rounds(result.used_rounds)}")
+    kept = result.used_rounds - (result.rounds - result.contended_rounds)
+    if kept > 0:
+        why.append(
+            f"{kept} of the {_rounds(result.used_rounds)} used had other processes competing "
+            "for the CPU"
+        )
+    control = result.control_time_ratio
+    low, high = CONTROL_RANGE
+    if control is not None and not low <= control <= high:
+        why.append(f"the timing control reads {control:.3f}, outside {low}-{high}")
+    if not why:
+        return None
+    return (
+        f"WARNING: the step times and time ratios above are not reliable ({'; '.join(why)}). "
+        f"Time again with --rounds {max(7, MIN_ROUNDS)} or more, or --processes 3, on a quiet "
+        "machine."
+    )
+
+
 def dominance_lines(result: Result) -> list[str]:
     """The planned point at each torch strategy's measured peak, one line per torch strategy."""
     lines = []
     for d in result.dominance:
         ratio = "not timed" if d.time_ratio is None else f"{d.time_ratio:.3f}"
-        torch_point = f"{d.torch} {d.torch_peak_bytes / MIB:,.2f} MiB"
-        point = f"{d.planned} {d.planned_peak_bytes / MIB:,.2f} MiB, time vs {d.torch} {ratio}"
+        torch_point = f"{d.torch} {mib(d.torch_peak_bytes, 2)} MiB"
+        point = f"{d.planned} {mib(d.planned_peak_bytes, 2)} MiB, time vs {d.torch} {ratio}"
         if d.smallest_budget_bytes is not None:
             lines.append(
                 f"{torch_point}: no plan fits; the smallest budget that fits is "
-                f"{d.smallest_budget_bytes / MIB:,.2f} MiB ({point}, planned at that budget)"
+                f"{mib(d.smallest_budget_bytes, 2)} MiB ({point}, planned at that budget)"
             )
         else:
             lines.append(f"{torch_point}: {point} (control +-{d.control_spread:.3f}): {d.verdict}")
     return lines
+
+
+def mib(n: float, least: int = 1) -> str:
+    """Bytes in MiB with at least three significant figures and ``least`` decimals: 558.1,
+    21.3, 0.213; peaks of a small workload that differ by tens of KiB read differently."""
+    value = n / MIB
+    decimals = least
+    if value != 0 and abs(value) < 100:
+        decimals = max(least, 2 - math.floor(math.log10(abs(value))))
+    return f"{value:,.{decimals}f}"
 
 
 def _predicted(row: Row) -> str:
@@ -205,8 +264,8 @@ def _predicted(row: Row) -> str:
         return ""
     note = ""
     if row.budget_feasible is False and row.budget_bytes is not None:
-        note = f" (no plan fits; smallest {row.budget_bytes / MIB:,.1f} MiB)"
-    return f"{row.predicted_peak_bytes / MIB:,.1f} / {row.predicted_time_ratio:.2f}{note}"
+        note = f" (no plan fits; smallest {mib(row.budget_bytes)} MiB)"
+    return f"{mib(row.predicted_peak_bytes)} / {row.predicted_time_ratio:.2f}{note}"
 
 
 def table(result: Result) -> Any:
@@ -224,7 +283,7 @@ def table(result: Result) -> Any:
     for row in result.rows:
         t.add_row(
             row.strategy,
-            f"{row.peak_bytes / MIB:,.1f}",
+            mib(row.peak_bytes),
             f"{row.memory_ratio:.2f}",
             f"{row.step_seconds:.3f}",
             f"{row.time_ratio:.2f}",
@@ -264,7 +323,7 @@ def markdown(result: Result) -> str:
     ]
     for r in result.rows:
         lines.append(
-            f"| {r.strategy} | {r.peak_bytes / MIB:,.1f} | {r.memory_ratio:.2f} | "
+            f"| {r.strategy} | {mib(r.peak_bytes)} | {r.memory_ratio:.2f} | "
             f"{r.step_seconds:.3f} | {r.time_ratio:.2f} | {_vs(r)} | "
             f"{exact(r)} |"
         )
@@ -290,9 +349,24 @@ def check_writable(path: Path) -> None:
     os.unlink(probe)
 
 
+def _open_mode(path: Path) -> int:
+    """The permissions a plain ``open(path, "w")`` leaves the file with: an existing file's
+    own, else ``0o666`` less the umask."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed onto it: a reader never sees
+    half a file. The file gets the permissions :func:`_open_mode` names, not mkstemp's 0600."""
+    mode = _open_mode(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -305,15 +379,42 @@ def write_json(result: Result, path: Path) -> None:
     _atomic_write(path, (json.dumps(result.to_json(), indent=2) + "\n").encode())
 
 
+def plot_formats() -> dict[str, str]:
+    """The file formats matplotlib writes here, by suffix (without the dot): its description."""
+    import shutil
+
+    from matplotlib import rcParams
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats: dict[str, str] = dict(FigureCanvasBase.get_supported_filetypes())
+    if shutil.which(str(rcParams["pgf.texsystem"])) is None:
+        formats.pop("pgf", None)  # PGF measures its text with LaTeX
+    return formats
+
+
+def check_plot_format(path: Path) -> None:
+    """Raise a :class:`RematError` now if matplotlib cannot write the format ``path``'s suffix
+    names."""
+    formats = plot_formats()
+    suffix = path.suffix[1:].lower()
+    if suffix not in formats:
+        named = f"the suffix .{suffix}" if suffix else "no suffix"
+        raise RematError(
+            f"remat bench: --plot {path} has {named}; the plot's format comes from it: "
+            f"{', '.join('.' + f for f in sorted(formats))}."
+        )
+
+
 def write_plot(result: Result, path: Path) -> None:
-    """Activation memory against step time as a PNG (see :func:`figure`)."""
+    """Activation memory against step time (see :func:`figure`), in the format ``path``'s
+    suffix names (:func:`check_plot_format`)."""
     import io
 
     import matplotlib.pyplot as plt
 
     fig = figure(result)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    fig.savefig(buffer, format=path.suffix[1:].lower())
     plt.close(fig)
     _atomic_write(path, buffer.getvalue())
 
