@@ -1035,27 +1035,45 @@ def test_a_release_inside_the_stores_section_waits_until_it_is_left() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_a_failed_write_is_raised_by_its_own_block_never_by_another_threads(
-    disk: remat.store.DiskTier, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _block_fails_while(
+    disk: remat.store.DiskTier, monkeypatch: pytest.MonkeyPatch, other_step: Callable[[], None]
+) -> nn.Sequential:
+    """Run a block on this thread whose tanh output (64 x 256) fails to write (ENOSPC), and,
+    once the write has failed, ``other_step`` on another thread on the same tier; check that
+    the block raises its failure at its end. Returns the block's model (no backward ran)."""
     import errno
 
     from remat.store import _files
 
     write_all = _files.write_all
-    failing = threading.get_ident()
 
-    def full_for_one_thread(fd: int, view: Any) -> None:
+    def full_for_one_block(fd: int, view: Any) -> None:
         if len(view) == 64 * 256 * 4:  # the tanh output of the first thread's block
             raise OSError(errno.ENOSPC, "No space left on device")
         write_all(fd, view)
 
-    monkeypatch.setattr(_files, "write_all", full_for_one_thread)
+    monkeypatch.setattr(_files, "write_all", full_for_one_block)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 1))
+    x = torch.randn(64, 16)
+    with pytest.raises(remat.RematError, match="ENOSPC"), remat.offload(disk, min_bytes=0):
+        h = model[1](model[0](x))
+        wait_for(lambda: disk.stats.failed_writes == 1)
+        worker = threading.Thread(target=other_step)
+        worker.start()
+        worker.join()
+        model[2](h).sum()
+    return model
+
+
+def test_a_failed_write_is_raised_by_its_own_block_never_by_another_threads(
+    disk: remat.store.DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing = threading.get_ident()
+    torch.manual_seed(1)
     other = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     plain = copy.deepcopy(other)
-    x, y = torch.randn(64, 16), torch.randn(4, 8)
+    y = torch.randn(4, 8)
     results: list[Any] = []
 
     def other_step() -> None:  # another thread, same tier, while the first block runs
@@ -1068,13 +1086,7 @@ def test_a_failed_write_is_raised_by_its_own_block_never_by_another_threads(
         except remat.RematError as error:
             results.append(error)
 
-    with pytest.raises(remat.RematError, match="ENOSPC"), remat.offload(disk, min_bytes=0):
-        h = model[1](model[0](x))
-        wait_for(lambda: disk.stats.failed_writes == 1)
-        worker = threading.Thread(target=other_step)
-        worker.start()
-        worker.join()
-        model[2](h).sum()
+    model = _block_fails_while(disk, monkeypatch, other_step)
     assert results == ["ok"]
     plain(y).sum().backward()
     for a, b in zip(other.parameters(), plain.parameters(), strict=True):
@@ -1090,23 +1102,10 @@ def test_an_in_place_write_in_another_threads_region_leaves_a_failed_write_to_it
     region on another thread raised the first thread's full disk, and the first thread's own
     block then ended without error and failed in backward instead. Now the region runs as a
     plain step does and the failure stays with the block that made it."""
-    import errno
-
-    from remat.store import _files
-
-    write_all = _files.write_all
-
-    def full_for_one_block(fd: int, view: Any) -> None:
-        if len(view) == 64 * 256 * 4:  # the tanh output of the first thread's block
-            raise OSError(errno.ENOSPC, "No space left on device")
-        write_all(fd, view)
-
-    monkeypatch.setattr(_files, "write_all", full_for_one_block)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 1))
+    torch.manual_seed(1)
     w = torch.randn(24, 24, requires_grad=True)
     w_plain = w.detach().clone().requires_grad_()
-    x, y = torch.randn(64, 16), torch.randn(8, 24)
+    y = torch.randn(8, 24)
 
     def region(w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = y @ w
@@ -1126,13 +1125,7 @@ def test_an_in_place_write_in_another_threads_region_leaves_a_failed_write_to_it
         except remat.RematError as error:
             results.append(error)
 
-    with pytest.raises(remat.RematError, match="ENOSPC"), remat.offload(disk, min_bytes=0):
-        h = model[1](model[0](x))
-        wait_for(lambda: disk.stats.failed_writes == 1)
-        worker = threading.Thread(target=other_step)
-        worker.start()
-        worker.join()
-        model[2](h).sum()
+    model = _block_fails_while(disk, monkeypatch, other_step)
     assert results == ["ok"]
     region(w_plain, y).backward()
     assert w.grad is not None and w_plain.grad is not None and torch.equal(w.grad, w_plain.grad)
